@@ -1,0 +1,69 @@
+"""Attention masks for the training layout: dense boolean (CPU/SDPA) and flex BlockMask (GPU).
+
+Visibility (DESIGN §2): a block anchored at a sees real context keys at positions < a
+(strictly: the anchor has not been through the target at inference) and every key of its own
+block (bidirectional). Nothing else. Invalid (padding) blocks see only their own block, so no
+query row is fully masked (SDPA would return NaN for it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dflash_lit.model.layout import BlockLayout
+
+
+def dense_mask(layout: BlockLayout) -> Tensor:
+    """Bool [B, 1, Q, S+Q], True = attend. Memory is O(Q·(S+Q)): the CPU training path."""
+    b, s = layout.context_valid.shape
+    bs = layout.block_size
+    q = layout.num_blocks * bs
+    dev = layout.anchors.device
+    q_anchor = layout.query_anchor()  # [B, Q]
+    kv_pos = torch.arange(s, device=dev)
+    ctx = (kv_pos[None, None, :] < q_anchor[:, :, None]) & layout.context_valid[:, None, :]
+    qb = torch.arange(q, device=dev) // bs
+    blk = (qb[:, None] == qb[None, :]).expand(b, q, q)
+    return torch.cat([ctx, blk], dim=2)[:, None]
+
+
+def flex_block_mask(layout: BlockLayout, compile: bool = False, block: int = 128):
+    """flex_attention ``BlockMask`` (one mask for all heads: ``H=None``).
+
+    Block-sparse: tiles wholly outside a block's visible context are skipped, so cost scales
+    with N·Bs·(mean visible context) rather than Q·(S+Q). Pass ``compile=True`` on GPU so the
+    dense [Q, KV] mask is never materialised while building it.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, s = layout.context_valid.shape
+    bs = layout.block_size
+    q = layout.num_blocks * bs
+    q_anchor = layout.query_anchor()
+    ctx_valid = layout.context_valid
+
+    def mask_mod(bi, hi, q_idx, kv_idx):
+        is_ctx = kv_idx < s
+        kv_c = torch.clamp(kv_idx, max=s - 1)
+        ctx_ok = (kv_idx < q_anchor[bi, q_idx]) & ctx_valid[bi, kv_c]
+        blk_ok = (kv_idx - s) // bs == q_idx // bs
+        return torch.where(is_ctx, ctx_ok, blk_ok)
+
+    fn = torch.compile(create_block_mask) if compile else create_block_mask
+    return fn(mask_mod, b, None, q, s + q, device=layout.anchors.device, BLOCK_SIZE=block)
+
+
+def build_mask(layout: BlockLayout, backend: str, compile: bool = False):
+    """``backend``: ``dense`` (SDPA, any device, trains on CPU) or ``flex`` (GPU training)."""
+    if backend == "dense":
+        return dense_mask(layout)
+    if backend == "flex":
+        return flex_block_mask(layout, compile=compile)
+    raise ValueError(f"attention backend {backend!r} unknown: use 'dense' or 'flex'")
+
+
+def mask_density(layout: BlockLayout) -> float:
+    """Share of (query, key) pairs that are visible: the useful work of a dense mask."""
+    m = dense_mask(layout)
+    return float(m.float().mean())

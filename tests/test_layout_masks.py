@@ -1,0 +1,125 @@
+"""Batched block layout == naive per-block reference, for both mask backends."""
+
+import warnings
+
+import pytest
+import torch
+
+from dflash_lit import DFlashConfig, DFlashDrafter
+from dflash_lit.model.block_forward import draft_hidden
+from dflash_lit.model.layout import IGNORE, build_layout
+from dflash_lit.model.masks import dense_mask
+from dflash_lit.model.reference import reference_draft_hidden
+from dflash_lit.train.anchors import anchor_candidates, sample_anchors, step_generator
+
+
+def random_setup(seed: int, b=3, s=40, bs=4, d=32, k=2, max_anchors=6):
+    g = torch.Generator().manual_seed(seed)
+    cfg = DFlashConfig(hidden_size=d, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, num_hidden_layers=2, block_size=bs,
+                       mask_token_id=1, num_target_layers=6, target_layer_ids=[1, 4][:k],
+                       vocab_size=50)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg).eval()
+    embed = torch.nn.Embedding(50, d)
+    lengths = torch.tensor([s, s - 11, s - 23])[:b]
+    ids = torch.randint(2, 50, (b, s), generator=g)
+    attn = torch.arange(s)[None] < lengths[:, None]
+    ids = torch.where(attn, ids, torch.zeros_like(ids))
+    # prompt region of random length, then completion; zero on padding
+    prompt = torch.randint(3, 10, (b,), generator=g)
+    loss_mask = (torch.arange(s)[None] >= prompt[:, None]) & attn
+    loss_mask[0, 20:24] = False  # a prompt-like hole inside the completion
+    loss_mask[-1, :13] = False  # a short completion: fewer candidates than max_anchors
+    th = torch.randn(b, s, k * d, generator=g)
+    anchors, valid = sample_anchors(loss_mask.long(), max_anchors, step_generator(seed, 3, 0), attn)
+    layout = build_layout(ids, loss_mask.long(), anchors, valid, bs, 1, attn)
+    return drafter, embed, th, layout, ids, loss_mask, attn
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dense_batched_equals_reference(seed):
+    drafter, embed, th, layout, *_ = random_setup(seed)
+    with torch.no_grad():
+        got = draft_hidden(drafter, embed, th, layout, backend="dense")
+        ref = reference_draft_hidden(drafter, embed, th, layout)
+    v = layout.valid
+    assert v.sum() > 6  # the test covers several blocks, some rows with padding blocks
+    assert (~v).any()
+    torch.testing.assert_close(got[v], ref[v], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_flex_equals_dense_and_reference(seed):
+    drafter, embed, th, layout, *_ = random_setup(seed)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flex = draft_hidden(drafter, embed, th, layout, backend="flex")
+        dense = draft_hidden(drafter, embed, th, layout, backend="dense")
+        ref = reference_draft_hidden(drafter, embed, th, layout)
+    v = layout.valid
+    torch.testing.assert_close(flex[v], dense[v], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(flex[v], ref[v], atol=2e-5, rtol=1e-4)
+
+
+def test_block_never_sees_context_at_or_after_anchor():
+    drafter, embed, th, layout, *_ = random_setup(5)
+    with torch.no_grad():
+        base = draft_hidden(drafter, embed, th, layout)
+    bi, ni = 0, 2
+    a = int(layout.anchors[bi, ni])
+    th2 = th.clone()
+    th2[bi, a:] += torch.randn_like(th2[bi, a:]) * 5  # the anchor's and all later features
+    with torch.no_grad():
+        out = draft_hidden(drafter, embed, th2, layout)
+    assert torch.equal(out[bi, ni], base[bi, ni])
+    # ...but it does see everything before its anchor: perturb position a-1 only
+    th3 = th.clone()
+    th3[bi, a - 1] += 1.0
+    with torch.no_grad():
+        out3 = draft_hidden(drafter, embed, th3, layout)
+    assert (out3[bi, ni] - base[bi, ni]).abs().max() > 1e-4
+    th4 = th.clone()
+    th4[bi, 0] += 1.0
+    with torch.no_grad():
+        out4 = draft_hidden(drafter, embed, th4, layout)
+    assert (out4[bi, ni] - base[bi, ni]).abs().max() > 1e-4
+
+
+def test_blocks_do_not_see_each_other():
+    drafter, embed, th, layout, *_ = random_setup(6)
+    m = dense_mask(layout)[0, 0]
+    s, bs = layout.context_len, layout.block_size
+    assert not m[0:bs, s + bs: s + 2 * bs].any() and m[0:bs, s: s + bs].all()
+    a0 = int(layout.anchors[0, 0])
+    assert m[0, :a0].all() and not m[0, a0:s].any()
+
+
+def test_anchor_candidates_and_sampling():
+    lm = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1]])
+    cand = anchor_candidates(lm)
+    # a >= 1 and loss_mask[a+1] == 1
+    assert cand.tolist() == [[False, True, True, True, False, True, True, False]]
+    a, v = sample_anchors(lm, 10, step_generator(0, 0, 0))
+    assert a[v].tolist() == [1, 2, 3, 5, 6] and v.all()
+    a2, v2 = sample_anchors(lm, 3, step_generator(0, 7, 0))
+    assert v2.sum() == 3 and set(a2[0].tolist()) <= {1, 2, 3, 5, 6}
+    assert a2[0].tolist() == sorted(a2[0].tolist())
+    a3, _ = sample_anchors(lm, 3, step_generator(0, 7, 0))
+    assert torch.equal(a2, a3)  # pure function of (seed, step, rank)
+    draws = {tuple(sample_anchors(lm, 3, step_generator(0, st, 0))[0][0].tolist())
+             for st in range(20)}
+    assert len(draws) > 3
+    with pytest.raises(ValueError, match="max_anchors=0"):
+        sample_anchors(lm, 0, step_generator(0, 0, 0))
+
+
+def test_labels_ignore_prompt_padding_and_end():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    lm = torch.tensor([[0, 0, 1, 1, 0, 1]])
+    anchors, valid = torch.tensor([[1, 4]]), torch.tensor([[True, True]])
+    lay = build_layout(ids, lm, anchors, valid, 4, 99)
+    assert lay.block_ids.tolist() == [[[11, 99, 99, 99], [14, 99, 99, 99]]]
+    assert lay.labels.tolist() == [[[IGNORE, 12, 13, IGNORE], [IGNORE, 15, IGNORE, IGNORE]]]
+    assert lay.block_pos.tolist() == [[[1, 2, 3, 4], [4, 5, 6, 7]]]
+    assert lay.position_ids().tolist() == [[0, 1, 2, 3, 4, 5, 1, 2, 3, 4, 4, 5, 6, 7]]
