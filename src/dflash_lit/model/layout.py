@@ -45,8 +45,11 @@ class BlockLayout:
         return self.anchors.repeat_interleave(self.block_size, dim=1)
 
     def target_positions(self) -> Tensor:
-        """[B, N, Bs]: the position whose target logits predict slot k (a + k - 1, clamped)."""
-        return (self.block_pos - 1).clamp(min=0)
+        """[B, N, Bs]: the position whose target logits predict slot k (a + k - 1).
+
+        Clamped into [0, S-1]; the clamped slots (slot 0, past the end) carry IGNORE labels.
+        """
+        return (self.block_pos - 1).clamp(min=0, max=self.context_len - 1)
 
 
 def build_layout(

@@ -1,0 +1,25 @@
+"""OmegaConf resolvers used by the Hydra configs (registered on import)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+
+def repo_root() -> str:
+    """The checkout root (holds conf/ and artifacts/); DFLASH_ROOT overrides, cwd is the fallback."""
+    env = os.environ.get("DFLASH_ROOT")
+    if env:
+        return str(Path(env).resolve())
+    here = Path(__file__).resolve().parents[2]  # src/dflash_lit/resolvers.py -> repo
+    return str(here if (here / "conf").is_dir() else Path.cwd())
+
+
+def register() -> None:
+    if not OmegaConf.has_resolver("repo_root"):
+        OmegaConf.register_new_resolver("repo_root", repo_root)
+
+
+register()

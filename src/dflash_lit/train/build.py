@@ -1,0 +1,193 @@
+"""Build a training run from a composed Hydra config: target, drafter specs, data, trainer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dflash_lit.model.config import DFlashConfig, default_target_layer_ids
+from dflash_lit.train.spec import AnchorSpec, DrafterSpec, NoiseSpec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"target.dtype={name!r}: use one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+# ---------------------------------------------------------------------- target
+def target_hf_config(tcfg: DictConfig):
+    """The target's HF config without loading weights (for layer counts, sizes)."""
+    if tcfg.get("path"):
+        from transformers import AutoConfig
+
+        p = Path(tcfg.path)
+        if not (p / "config.json").is_file():
+            hint = (" (build it: python -m dflash_lit.tiny build)"
+                    if "artifacts" in str(p) else "")
+            raise FileNotFoundError(f"target.path={p}: no config.json there{hint}")
+        return AutoConfig.from_pretrained(str(p))
+    if tcfg.get("build"):
+        return _build_random(tcfg.build).config
+    raise ValueError("target: set target.path (an HF model dir) or target.build (random tiny)")
+
+
+def _build_random(build: DictConfig):
+    from dflash_lit.tiny import random_targets
+
+    kw = OmegaConf.to_container(build, resolve=True)
+    kind = kw.pop("kind")
+    fn = {"tiny_qwen3": random_targets.tiny_qwen3, "tiny_hybrid": random_targets.tiny_hybrid}
+    if kind not in fn:
+        raise ValueError(f"target.build.kind={kind!r}: use one of {sorted(fn)}")
+    return fn[kind](**kw)
+
+
+def _text_config(cfg):
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def build_target(tcfg: DictConfig, layer_ids: list[int]):
+    """FrozenTarget capturing ``layer_ids`` (the union over drafters)."""
+    from dflash_lit.model.target import FrozenTarget
+
+    dtype = _dtype(tcfg.get("dtype", "float32"))
+    if tcfg.get("path"):
+        return FrozenTarget.from_pretrained(
+            tcfg.path, layer_ids, dtype=dtype,
+            attn_implementation=tcfg.get("attn_implementation", "sdpa"),
+        )
+    model = _build_random(tcfg.build).to(dtype)
+    return FrozenTarget(model, layer_ids)
+
+
+def resolve_mask_token_id(tcfg: DictConfig, vocab_size: int) -> int:
+    """Mask id from ``target.mask_token_id`` or the tokenizer's ``target.mask_token``."""
+    if tcfg.get("mask_token_id") is not None:
+        mid = int(tcfg.mask_token_id)
+    elif tcfg.get("mask_token") and tcfg.get("path"):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tcfg.path))
+        mid = tok.convert_tokens_to_ids(tcfg.mask_token)
+        if mid is None or mid == tok.unk_token_id:
+            raise ValueError(
+                f"target.mask_token={tcfg.mask_token!r} is not in the tokenizer at {tcfg.path}; "
+                "add it as a special token or set target.mask_token_id"
+            )
+    else:
+        raise ValueError("target: no mask token; set target.mask_token_id or target.mask_token")
+    if not 0 <= mid < vocab_size:
+        raise ValueError(f"target.mask_token_id={mid} is outside the vocab (size {vocab_size})")
+    return mid
+
+
+def target_info(tcfg: DictConfig) -> dict[str, Any]:
+    hf = _text_config(target_hf_config(tcfg))
+    return {
+        "path": str(tcfg.path) if tcfg.get("path") else None,
+        "build": OmegaConf.to_container(tcfg.build, resolve=True) if tcfg.get("build") else None,
+        "hidden_size": int(hf.hidden_size),
+        "num_layers": int(hf.num_hidden_layers),
+        "vocab_size": int(hf.vocab_size),
+        "model_type": getattr(hf, "model_type", None),
+    }
+
+
+# ---------------------------------------------------------------------- drafters
+def _merge_section(cfg: DictConfig, over: DictConfig, key: str) -> dict[str, Any]:
+    base = OmegaConf.to_container(cfg[key], resolve=True) if key in cfg else {}
+    extra = OmegaConf.to_container(over[key], resolve=True) if over and key in over else {}
+    merged = OmegaConf.merge(base, extra)
+    return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
+
+
+def build_specs(cfg: DictConfig, info: dict[str, Any]) -> list[DrafterSpec]:
+    """One DrafterSpec per entry of ``drafters:``, defaults from the drafter/loss/schedule/optim groups."""
+    if not cfg.get("drafters"):
+        raise ValueError("drafters: empty; give at least one drafter (conf/drafters/single.yaml)")
+    mask_id = resolve_mask_token_id(cfg.target, info["vocab_size"])
+    specs = []
+    for name, over in cfg.drafters.items():
+        over = over or OmegaConf.create({})
+        unknown = set(over) - {"drafter", "loss", "schedule", "optim"}
+        if unknown:
+            raise ValueError(
+                f"drafters.{name}: unknown keys {sorted(unknown)}; use drafter, loss, schedule, optim"
+            )
+        d = _merge_section(cfg, over, "drafter")
+        loss = _merge_section(cfg, over, "loss")
+        sched = _merge_section(cfg, over, "schedule")
+        opt = _merge_section(cfg, over, "optim")
+        L = info["num_layers"]
+        ids = d.pop("target_layer_ids", None)
+        k = int(d.pop("num_context_layers", 5))
+        drop = int(d.pop("drop_last_context_layers", 0))
+        if not ids:
+            ids = default_target_layer_ids(L, k)
+            ids = ids[: len(ids) - drop] if drop else ids
+        hidden = d.pop("hidden_size", None) or info["hidden_size"]
+        model = DFlashConfig(
+            hidden_size=int(hidden), num_target_layers=L, target_layer_ids=list(ids),
+            vocab_size=info["vocab_size"], mask_token_id=mask_id, **d,
+        )
+        specs.append(
+            DrafterSpec(
+                name=str(name), model=model, loss=loss,
+                noise=NoiseSpec(**sched.get("noise", {})),
+                anchors=AnchorSpec(**sched.get("anchors", {})),
+                lr=float(opt["lr"]), weight_decay=float(opt.get("weight_decay", 0.0)),
+                grad_clip=float(opt.get("grad_clip", 1.0)),
+            )
+        )
+    return specs
+
+
+def capture_layer_ids(specs: list[DrafterSpec]) -> list[int]:
+    """Union of all drafters' context layers: what one target forward must capture."""
+    return sorted({i for s in specs for i in s.model.target_layer_ids})
+
+
+# ---------------------------------------------------------------------- loggers
+def wandb_offline(setting: Any) -> bool:
+    """``auto``: offline unless an API key is configured (env or ~/.netrc)."""
+    if setting in (True, False):
+        return bool(setting)
+    if os.environ.get("WANDB_API_KEY"):
+        return False
+    netrc = Path.home() / ".netrc"
+    return not (netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"))
+
+
+def build_loggers(lcfg: DictConfig | None, run_dir: Path, resume_dir: Path | None) -> list:
+    import hydra
+
+    loggers = []
+    for conf in (lcfg or {}).values():
+        if conf is None:
+            continue
+        conf = OmegaConf.to_container(conf, resolve=True)
+        if "WandbLogger" in conf.get("_target_", ""):
+            if os.environ.get("WANDB_MODE") == "disabled":
+                continue  # tests / explicit opt-out: no W&B object at all
+            conf["offline"] = wandb_offline(conf.get("offline", "auto"))
+            for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+                os.environ.setdefault(var, str(run_dir / "wandb" / ".cache"))
+            prev = resume_dir / "wandb_id.txt" if resume_dir else None
+            if prev is not None and prev.is_file():
+                conf["id"] = prev.read_text().strip()  # continue the same W&B run
+                conf["resume"] = "allow"
+        loggers.append(hydra.utils.instantiate(conf))
+    return loggers
+
+
+def build_callbacks(ccfg: DictConfig | None) -> list:
+    import hydra
+
+    return [hydra.utils.instantiate(c) for c in (ccfg or {}).values() if c is not None]

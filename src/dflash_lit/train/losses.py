@@ -1,0 +1,355 @@
+"""Drafter losses: position-weighted hard CE and the v3 composite (KL + CE, streak-aware).
+
+Tensor conventions (shared with the LightningModule and the metrics):
+
+- ``logits``        [B, N, Bs, V]  drafter logits, N blocks of Bs slots per sequence.
+- ``labels``        [B, N, Bs]     LongTensor, ``IGNORE_INDEX`` (-100) where invalid. Slot 0
+  (the given anchor token) is ignored whatever its label says.
+- ``target_logits`` [B, N, Bs, V]  the target's logits for the same predicted positions
+  (slot k predicts position a+k, so ``target_logits[..., k, :]`` is the target's output at
+  position a+k-1), or None when the loss does not need them.
+
+Everything heavy is computed on the valid slots only (gathered first), in float32 whatever the
+logits' dtype: with V ~ 150k a log-softmax over invalid/padding slots would dominate memory.
+No function here synchronises with the device (no ``.item()``), so they are safe inside a
+compiled / CUDA-graph-free training step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+LabelSource = Literal["data", "target_argmax"]
+_LABEL_SOURCES: tuple[str, ...] = ("data", "target_argmax")
+
+
+@dataclass
+class LossOutput:
+    """What a drafter loss returns.
+
+    Attributes:
+        loss: scalar, differentiable, float32: the weighted mean over valid slots.
+        per_slot_ce: [B, N, Bs] float32, detached: CE of each slot (0 at invalid slots).
+        weight_sum: scalar float32, detached: the normaliser Σ weight over valid slots
+            (Σ w for hard CE, Σ w·s for the streak-aware composite). ``loss * weight_sum``
+            is the un-normalised sum, so batch losses combine exactly as
+            Σ loss_i·W_i / Σ W_i (what ``DrafterMetrics`` does).
+        n_valid: scalar int64: number of valid slots (slot >= 1, label != -100).
+        per_slot_kl: [B, N, Bs] float32, detached, T²-scaled KL per slot (composite only).
+    """
+
+    loss: Tensor
+    per_slot_ce: Tensor
+    weight_sum: Tensor
+    n_valid: Tensor
+    per_slot_kl: Tensor | None = None
+
+
+class DrafterLoss(Protocol):
+    """A configured loss: ``loss_fn(logits, labels, target_logits) -> LossOutput``."""
+
+    needs_target_logits: bool
+
+    def __call__(
+        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
+    ) -> LossOutput: ...
+
+
+# --------------------------------------------------------------------------- helpers
+def position_weights(
+    block_size: int, gamma: float | None, device: torch.device | str | None = None
+) -> Tensor:
+    """Per-slot weights [Bs] (float32): ``w_0 = 0``, ``w_k = exp(-(k-1)/gamma)`` for k >= 1.
+
+    ``gamma=None`` means no decay (``w_k = 1`` for k >= 1, as SpecForge with γ unset).
+    ``gamma`` must otherwise be a finite or infinite number > 0; ``math.inf`` is the same as
+    None. Raises ValueError naming ``loss.gamma`` for gamma <= 0 / NaN.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(
+            f"block_size={block_size!r}: a block needs the anchor slot plus at least one "
+            "predicted slot (drafter.block_size >= 2)"
+        )
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    if gamma is None or (isinstance(gamma, (int, float)) and math.isinf(gamma) and gamma > 0):
+        w = torch.ones(block_size, device=device, dtype=torch.float32)
+    else:
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > 0:
+            raise ValueError(
+                f"loss.gamma={gamma!r}: the position-decay constant must be > 0 "
+                "(w_k = exp(-(k-1)/gamma)); use null for no decay. Public recipes use "
+                "7 for block_size 16, 5 for 10, 4 for 8."
+            )
+        w = torch.exp(-(k - 1.0) / float(gamma))
+    w[0] = 0.0  # slot 0 is the given anchor token: never a prediction
+    return w
+
+
+def check_block_inputs(
+    logits: Tensor, labels: Tensor, target_logits: Tensor | None = None, where: str = "loss"
+) -> None:
+    if logits.dim() != 4:
+        raise ValueError(f"{where}: logits must be [B, N, Bs, V], got shape {tuple(logits.shape)}")
+    if labels.shape != logits.shape[:3]:
+        raise ValueError(
+            f"{where}: labels shape {tuple(labels.shape)} must equal logits.shape[:3] = "
+            f"{tuple(logits.shape[:3])} ([B, N, Bs])"
+        )
+    if labels.dtype != torch.long:
+        raise TypeError(f"{where}: labels must be int64 (LongTensor), got {labels.dtype}")
+    if logits.shape[2] < 2:
+        raise ValueError(
+            f"{where}: block size (logits.shape[2]) must be >= 2, got {logits.shape[2]}"
+        )
+    if target_logits is not None and target_logits.shape != logits.shape:
+        raise ValueError(
+            f"{where}: target_logits shape {tuple(target_logits.shape)} must equal logits shape "
+            f"{tuple(logits.shape)} (the target's logits for the same predicted positions)"
+        )
+
+
+def valid_mask(labels: Tensor) -> Tensor:
+    """[B, N, Bs] bool: slots that are predictions with a label (slot >= 1, label != -100)."""
+    valid = labels != IGNORE_INDEX
+    valid[..., 0] = False
+    return valid
+
+
+def target_argmax_labels(target_logits: Tensor, labels: Tensor) -> Tensor:
+    """Replace every valid label with the target's greedy choice, keeping the -100s.
+
+    ``target_logits[..., k, :]`` is the target's output at position a+k-1, so its argmax is
+    what greedy verification accepts at position a+k. Slot 0 and -100 entries stay -100.
+    """
+    if target_logits is None:
+        raise ValueError(
+            "loss.labels=target_argmax needs the target's logits, but target_logits is None: "
+            "have the module compute them, or set loss.labels=data"
+        )
+    if target_logits.shape[:3] != labels.shape or target_logits.dim() != 4:
+        raise ValueError(
+            f"target_argmax_labels: target_logits {tuple(target_logits.shape)} must be "
+            f"[B, N, Bs, V] with [B, N, Bs] = labels shape {tuple(labels.shape)}"
+        )
+    valid = valid_mask(labels)
+    return torch.where(valid, target_logits.argmax(-1), torch.full_like(labels, IGNORE_INDEX))
+
+
+def _scatter_slots(values: Tensor, valid: Tensor) -> Tensor:
+    """Put per-valid-slot values [M] back into a zero [B, N, Bs] float32 tensor."""
+    out = torch.zeros(valid.shape, dtype=torch.float32, device=values.device)
+    out[valid] = values.detach().float()
+    return out
+
+
+# --------------------------------------------------------------------------- losses
+def hard_ce_loss(logits: Tensor, labels: Tensor, gamma: float | None = 7.0) -> LossOutput:
+    """Position-weighted cross-entropy against hard labels.
+
+    ``loss = Σ_valid w_k · CE_k / Σ_valid w_k`` with ``w_k = exp(-(k-1)/gamma)``: a weighted
+    mean over valid slots (slot >= 1 with a label). Computed in float32 on the valid slots
+    only. With no valid slot the loss is an exact 0 that is still attached to the graph.
+    Pass ``target_argmax_labels(target_logits, labels)`` as ``labels`` for the target's greedy
+    labels.
+    """
+    check_block_inputs(logits, labels, where="hard_ce_loss")
+    bs = logits.shape[2]
+    valid = valid_mask(labels)
+    w_pos = position_weights(bs, gamma, device=logits.device)
+    ce = F.cross_entropy(logits[valid].float(), labels[valid], reduction="none")  # [M]
+    w = w_pos.expand(valid.shape)[valid]  # [M]
+    weight_sum = w.sum()
+    # clamp: an all-invalid batch gives 0/tiny = 0 instead of NaN, with no host sync.
+    loss = (w * ce).sum() / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
+    return LossOutput(
+        loss=loss,
+        per_slot_ce=_scatter_slots(ce, valid),
+        weight_sum=weight_sum.detach(),
+        n_valid=valid.sum(),
+    )
+
+
+def streak_weights(log_p_label: Tensor, valid: Tensor) -> Tensor:
+    """Detached streak factors s [B, N, Bs]: ``s_k = Π_{1<=j<k} p_draft(label_j)``, s_1 = 1.
+
+    ``log_p_label`` [B, N, Bs] holds log p_draft(label) at valid slots (anything elsewhere).
+    An invalid slot j inside a block contributes a factor 1 (it is not a prediction the
+    draft can get wrong); slot 0 always contributes 1. Computed in log space (exclusive
+    cumulative sum) so long blocks underflow gracefully to 0.
+    """
+    lp = torch.where(
+        valid, log_p_label.detach().float(), torch.zeros_like(log_p_label, dtype=torch.float32)
+    )
+    exclusive = torch.cumsum(lp, dim=-1) - lp
+    return torch.exp(exclusive)
+
+
+def composite_loss(
+    logits: Tensor,
+    labels: Tensor,
+    target_logits: Tensor | None,
+    gamma: float | None = 10.0,
+    kl_weight: float = 0.7,
+    ce_weight: float = 0.3,
+    temperature: float = 2.0,
+    streak_aware: bool = True,
+) -> LossOutput:
+    """The v3 recipe: ``kl_weight·T²·KL(target‖draft at T) + ce_weight·CE(labels)`` per slot.
+
+    - KL term: ``KL(softmax(t/T) ‖ softmax(d/T))`` scaled by ``T²`` (Hinton et al.'s
+      distillation convention: keeps the KL gradient's magnitude independent of T, so the
+      0.7/0.3 mix means the same at any temperature).
+    - CE term: plain (T = 1) cross-entropy against ``labels`` (data labels in v3).
+    - Weights ``w_k · s_k``: position decay times, if ``streak_aware``, the detached draft
+      probability (T = 1) that slots 1..k-1 were all right (``streak_weights``).
+    - Normalised by ``Σ w·s`` over valid slots, so the loss is a weighted mean.
+    """
+    check_block_inputs(logits, labels, target_logits, where="composite_loss")
+    if target_logits is None:
+        raise ValueError(
+            "loss.name=composite needs the target's logits (its KL term), but target_logits is "
+            "None: have the module compute them, or use loss.name=hard_ce"
+        )
+    _check_composite_args(kl_weight, ce_weight, temperature)
+    bs = logits.shape[2]
+    valid = valid_mask(labels)
+    t = float(temperature)
+
+    draft = logits[valid].float()  # [M, V]
+    tgt_labels = labels[valid]
+    ce = F.cross_entropy(draft, tgt_labels, reduction="none")  # [M]
+    log_q_t = F.log_softmax(draft / t, dim=-1)
+    log_p_t = F.log_softmax(target_logits[valid].detach().float() / t, dim=-1)
+    kl = F.kl_div(log_q_t, log_p_t, log_target=True, reduction="none").sum(-1) * (t * t)  # [M]
+
+    w = position_weights(bs, gamma, device=logits.device).expand(valid.shape)
+    if streak_aware:
+        log_p_label = torch.zeros(valid.shape, dtype=torch.float32, device=logits.device)
+        log_p_label[valid] = -ce.detach()
+        w = w * streak_weights(log_p_label, valid)
+    w = w[valid]  # [M]
+    per_slot = kl_weight * kl + ce_weight * ce
+    weight_sum = w.sum()
+    loss = (w * per_slot).sum() / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
+    return LossOutput(
+        loss=loss,
+        per_slot_ce=_scatter_slots(ce, valid),
+        weight_sum=weight_sum.detach(),
+        n_valid=valid.sum(),
+        per_slot_kl=_scatter_slots(kl, valid),
+    )
+
+
+def _check_composite_args(kl_weight: float, ce_weight: float, temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"loss.temperature={temperature!r}: must be > 0 (v3 uses 2.0)")
+    if kl_weight < 0 or ce_weight < 0 or (kl_weight == 0 and ce_weight == 0):
+        raise ValueError(
+            f"loss.kl_weight={kl_weight!r}, loss.ce_weight={ce_weight!r}: both must be >= 0 and "
+            "not both 0 (v3 uses 0.7 / 0.3)"
+        )
+
+
+def _check_label_source(labels: str) -> None:
+    if labels not in _LABEL_SOURCES:
+        raise ValueError(
+            f"loss.labels={labels!r}: must be one of {list(_LABEL_SOURCES)} ('data': the "
+            "sequence's tokens; 'target_argmax': the target's greedy choice)"
+        )
+
+
+def _resolve_labels(source: str, labels: Tensor, target_logits: Tensor | None) -> Tensor:
+    return target_argmax_labels(target_logits, labels) if source == "target_argmax" else labels
+
+
+# --------------------------------------------------------------------------- configured callables
+@dataclass(frozen=True)
+class HardCELoss:
+    """``hard_ce`` configured: position-weighted CE against ``labels`` (data / target_argmax)."""
+
+    gamma: float | None = 7.0
+    labels: LabelSource = "target_argmax"
+
+    def __post_init__(self) -> None:
+        _check_label_source(self.labels)
+        position_weights(2, self.gamma)  # validates loss.gamma at config time
+
+    @property
+    def needs_target_logits(self) -> bool:
+        """Whether the module must compute the target's logits for this loss."""
+        return self.labels == "target_argmax"
+
+    def __call__(
+        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
+    ) -> LossOutput:
+        return hard_ce_loss(logits, _resolve_labels(self.labels, labels, target_logits), self.gamma)
+
+
+@dataclass(frozen=True)
+class CompositeLoss:
+    """``composite`` configured (v3): KL(target‖draft, T)·T²·kl_weight + CE·ce_weight."""
+
+    gamma: float | None = 10.0
+    kl_weight: float = 0.7
+    ce_weight: float = 0.3
+    temperature: float = 2.0
+    streak_aware: bool = True
+    labels: LabelSource = "data"  # CE labels; v3 used the data tokens
+
+    def __post_init__(self) -> None:
+        _check_label_source(self.labels)
+        _check_composite_args(self.kl_weight, self.ce_weight, self.temperature)
+        position_weights(2, self.gamma)
+
+    @property
+    def needs_target_logits(self) -> bool:
+        """Always True: the KL term needs the target's logits."""
+        return True
+
+    def __call__(
+        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
+    ) -> LossOutput:
+        if target_logits is None:
+            raise ValueError(
+                "loss.name=composite needs the target's logits (its KL term), but target_logits "
+                "is None: have the module compute them, or use loss.name=hard_ce"
+            )
+        return composite_loss(
+            logits,
+            _resolve_labels(self.labels, labels, target_logits),
+            target_logits,
+            gamma=self.gamma,
+            kl_weight=self.kl_weight,
+            ce_weight=self.ce_weight,
+            temperature=self.temperature,
+            streak_aware=self.streak_aware,
+        )
+
+
+LOSSES: dict[str, type] = {"hard_ce": HardCELoss, "composite": CompositeLoss}
+
+
+def build_loss(name: str, **kwargs: Any) -> DrafterLoss:
+    """Build a configured loss from its Hydra group: ``build_loss(**cfg.loss)``.
+
+    ``loss: {name: hard_ce, gamma: 7, labels: target_argmax}`` maps directly. Unknown names or
+    keys raise ValueError listing what is accepted.
+    """
+    if name not in LOSSES:
+        raise ValueError(f"loss.name={name!r}: unknown loss; choose one of {sorted(LOSSES)}")
+    cls = LOSSES[name]
+    allowed = sorted(cls.__dataclass_fields__)
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"loss.name={name}: unknown key(s) {unknown} under loss:; accepted keys: {allowed}"
+        )
+    return cls(**kwargs)

@@ -1,0 +1,332 @@
+"""The LightningModule: one frozen target forward per batch feeds every drafter.
+
+- The target lives *outside* the module tree (not a submodule), so it is never in
+  ``state_dict``, a checkpoint, or the optimizer; it is moved to the device in ``setup``.
+- One AdamW with a param group per drafter: automatic optimization, so ``global_step``
+  counts batches (manual optimization with K optimizers would count K per batch).
+- Everything random per step (anchors, noise) derives from (seed, global_step, rank, drafter),
+  so an exact resume needs no saved RNG state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from dflash_lit.model.block_forward import draft_hidden
+from dflash_lit.model.drafter import DFlashDrafter
+from dflash_lit.model.layout import build_layout, gather_target_logits
+from dflash_lit.model.target import FrozenTarget
+from dflash_lit.train.anchors import fixed_anchors, sample_anchors, step_generator
+from dflash_lit.train.losses import build_loss
+from dflash_lit.train.metrics import DrafterMetrics, accuracy, streak
+from dflash_lit.train.schedules import lr_factor, max_anchors_at, noise_sigma
+from dflash_lit.train.spec import DrafterSpec
+
+CKPT_VERSION = 1
+
+
+def _seed_int(*parts: Any) -> int:
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class DFlashModule(L.LightningModule):
+    """Trains one or more DFlash drafters against a frozen target."""
+
+    def __init__(
+        self,
+        target: FrozenTarget,
+        specs: list[DrafterSpec],
+        total_steps: int,
+        warmup_frac: float = 0.04,
+        min_lr_ratio: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        attention: str = "dense",
+        compile_mask: bool = False,
+        seed: int = 0,
+        val_max_anchors: int = 256,
+        log_tree_budgets: tuple[int, ...] = (),
+        max_nonfinite_in_row: int = 10,
+        target_info: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if not specs:
+            raise ValueError("drafters: at least one drafter is required")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafters: duplicate names {names}")
+        object.__setattr__(self, "_target", target)  # not a submodule: never saved or optimised
+        self.specs = {s.name: s for s in specs}
+        self.drafters = nn.ModuleDict({s.name: DFlashDrafter(s.model) for s in specs})
+        for s in specs:
+            self._check_drafter_vs_target(s)
+        self.losses = {s.name: build_loss(**s.loss) for s in specs}
+        self.total_steps = int(total_steps)
+        self.warmup_frac, self.min_lr_ratio = warmup_frac, min_lr_ratio
+        self.betas, self.eps = tuple(betas), eps
+        self.attention, self.compile_mask = attention, compile_mask
+        self.seed = int(seed)
+        self.val_max_anchors = val_max_anchors
+        self.max_nonfinite_in_row = max_nonfinite_in_row
+        self.target_info = dict(target_info or {})
+        # The union of all drafters' context layers is captured once per target forward.
+        self.capture_ids = sorted({i for s in specs for i in s.model.target_layer_ids})
+        if list(target.layer_ids) != self.capture_ids:
+            raise ValueError(
+                f"target captures layers {list(target.layer_ids)}, the drafters need "
+                f"{self.capture_ids}; build the target with layer_ids=capture_layer_ids(specs)"
+            )
+        self._layer_index = {
+            s.name: [self.capture_ids.index(i) for i in s.model.target_layer_ids] for s in specs
+        }
+        self.need_logits = any(loss.needs_target_logits for loss in self.losses.values())
+        bs = {s.name: s.model.block_size for s in specs}
+        self.train_metrics = nn.ModuleDict({n: DrafterMetrics(bs[n]) for n in names})
+        self.val_metrics = nn.ModuleDict(
+            {n: DrafterMetrics(bs[n], tree_budgets=log_tree_budgets) for n in names}
+        )
+        # Non-finite bookkeeping is saved in checkpoints (on_save_checkpoint).
+        self.nonfinite_total = 0
+        self.nonfinite_in_row = 0
+        self.last_batch_stats: dict[str, float] = {}
+        self.current_noise = {n: 0.0 for n in names}
+        self.current_anchors = {n: self.specs[n].anchors.max for n in names}
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def target(self) -> FrozenTarget:
+        return self._target
+
+    def _check_drafter_vs_target(self, s: DrafterSpec) -> None:
+        t = self._target
+        if s.model.hidden_size != t.hidden_size:
+            raise ValueError(
+                f"drafters.{s.name}: drafter hidden_size={s.model.hidden_size} != target "
+                f"hidden_size={t.hidden_size}; the drafter shares the target's embeddings and "
+                "lm_head, so set drafter.hidden_size to the target's"
+            )
+        if s.model.num_target_layers != t.num_layers:
+            raise ValueError(
+                f"drafters.{s.name}: num_target_layers={s.model.num_target_layers} but the "
+                f"target has {t.num_layers} decoder layers"
+            )
+        if s.model.vocab_size and s.model.vocab_size != t.vocab_size:
+            raise ValueError(
+                f"drafters.{s.name}: vocab_size={s.model.vocab_size} != target vocab {t.vocab_size}"
+            )
+
+    def schedules_at(self, step: int) -> None:
+        """Set every drafter's noise σ and anchor count for ``step`` (pure functions)."""
+        for n, s in self.specs.items():
+            self.current_noise[n] = noise_sigma(
+                step, self.total_steps, s.noise.peak, s.noise.final, s.noise.warmup_frac
+            )
+            start = s.anchors.start if s.anchors.start is not None else s.anchors.max
+            self.current_anchors[n] = max_anchors_at(
+                step, self.total_steps, start, s.anchors.max, s.anchors.ramp_frac
+            )
+
+    def _drafter_context(self, name: str, hidden: Tensor) -> Tensor:
+        b, s, _ = hidden.shape
+        d = self._target.hidden_size
+        idx = self._layer_index[name]
+        if idx == list(range(len(self.capture_ids))):
+            return hidden
+        return hidden.view(b, s, len(self.capture_ids), d)[:, :, idx].reshape(b, s, -1)
+
+    def _add_noise(self, name: str, x: Tensor, sigma: float, step: int) -> Tensor:
+        if sigma <= 0:
+            return x
+        g = torch.Generator(device=x.device)
+        g.manual_seed(_seed_int("noise", self.seed, step, self.global_rank, name))
+        if self.specs[name].noise.kind == "uniform":
+            z = torch.rand(x.shape, generator=g, device=x.device, dtype=x.dtype) * 2 - 1
+        else:
+            z = torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
+        return x + sigma * z
+
+    def _forward_drafter(self, name, batch, out, step, train: bool):
+        spec = self.specs[name]
+        drafter = self.drafters[name]
+        ids, lm, am = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+        th = self._drafter_context(name, out.hidden)
+        if train:
+            th = self._add_noise(name, th, self.current_noise[name], step)
+            gen = step_generator(self.seed, step, self.global_rank, salt=f"anchors:{name}")
+            anchors, valid = sample_anchors(lm, self.current_anchors[name], gen, am)
+        else:
+            anchors, valid = fixed_anchors(lm * am, self.val_max_anchors, seed=self.seed)
+        layout = build_layout(ids, lm, anchors, valid, spec.model.block_size,
+                              spec.model.mask_token_id, am)
+        hidden = draft_hidden(drafter, self._target.embed_tokens, th, layout,
+                              backend=self.attention, compile_mask=self.compile_mask)
+        logits = self._target.lm_head(hidden.to(self._target.dtype))
+        tgt = gather_target_logits(out.logits, layout) if out.logits is not None else None
+        loss_out = self.losses[name](logits, layout.labels, tgt)
+        return logits, layout, loss_out
+
+    def _target_forward(self, batch):
+        return self._target(
+            batch["input_ids"], attention_mask=batch["attention_mask"], need_logits=self.need_logits
+        )
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, stage: str) -> None:
+        self._target.to(self.device)
+
+    def on_fit_start(self) -> None:
+        self._target.to(self.device)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int):
+        step = self.global_step
+        self.schedules_at(step)
+        out = self._target_forward(batch)
+        finite = bool(torch.isfinite(out.hidden).all()) and (
+            out.logits is None or bool(torch.isfinite(out.logits).all())
+        )
+        total = torch.zeros((), device=self.device)
+        per = {}
+        if finite:
+            for name in self.drafters:
+                logits, layout, lo = self._forward_drafter(name, batch, out, step, train=True)
+                per[name] = (logits, layout, lo)
+                total = total + lo.loss
+            finite = bool(torch.isfinite(total))
+        finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if not finite:
+            return self._skip_nonfinite(step)
+        self.nonfinite_in_row = 0
+        am = batch["attention_mask"]
+        real = float(am.sum())
+        self.last_batch_stats = {
+            "target_tokens": real,
+            "padded_tokens": float(am.numel()),
+            "block_tokens": float(sum(int(v[1].valid.sum()) * v[1].block_size
+                                      for v in per.values())),
+        }
+        first = next(iter(self.drafters))
+        for name, (logits, layout, lo) in per.items():
+            self.train_metrics[name].update(logits.detach(), layout.labels, lo)
+            pre = f"train/{name}"
+            vals = {
+                f"{pre}/loss": lo.loss.detach(),
+                f"{pre}/acc": accuracy(logits, layout.labels).float(),
+                f"{pre}/streak": streak(logits, layout.labels).float(),
+                f"{pre}/noise": torch.tensor(self.current_noise[name]),
+                f"{pre}/anchors": torch.tensor(float(self.current_anchors[name])),
+            }
+            self.log_dict(vals, on_step=True, on_epoch=False, prog_bar=False,
+                          batch_size=int(layout.valid.sum()))
+            if name == first:
+                self.log("loss", lo.loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
+        self.log("train/loss_total", total.detach(), on_step=True, on_epoch=False)
+        self.log("train/padding_eff", real / max(am.numel(), 1), on_step=True, on_epoch=False)
+        return total
+
+    def _skip_nonfinite(self, step: int):
+        self.nonfinite_total += 1
+        self.nonfinite_in_row += 1
+        self.log("train/nonfinite_skipped", float(self.nonfinite_total), on_step=True)
+        msg = (f"non-finite target hidden states or loss at step {step}: batch skipped "
+               f"({self.nonfinite_in_row} in a row, {self.nonfinite_total} total)")
+        rank_zero_print(msg)
+        if self.nonfinite_in_row >= self.max_nonfinite_in_row:
+            raise FloatingPointError(
+                f"{self.nonfinite_in_row} non-finite steps in a row (limit "
+                f"train.max_nonfinite_in_row={self.max_nonfinite_in_row}); the last good state "
+                "is the latest checkpoint. Check the data and lower the LR or noise."
+            )
+        return None
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        interval = max(int(self.trainer.log_every_n_steps), 1)
+        if (self.global_step % interval) == 0:
+            for name, m in self.train_metrics.items():
+                # compute() on every rank (it is a collective under DDP); empty -> NaN, dropped
+                vals = {f"train_window/{name}/{k}": v for k, v in m.compute().items()}
+                self.log_dict({k: float(v) for k, v in vals.items() if not _isnan(v)},
+                              on_step=True, on_epoch=False)
+                m.reset()
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        out = self._target_forward(batch)
+        for name in self.drafters:
+            logits, layout, lo = self._forward_drafter(name, batch, out, self.global_step, False)
+            self.val_metrics[name].update(logits, layout.labels, lo)
+
+    def on_validation_epoch_end(self) -> None:
+        for name, m in self.val_metrics.items():
+            vals = m.compute()  # collective under DDP: every rank calls it
+            self.log_dict({f"val/{name}/{k}": float(v) for k, v in vals.items()
+                           if not _isnan(v)}, on_step=False, on_epoch=True, sync_dist=False)
+            m.reset()
+
+    def configure_optimizers(self):
+        groups = [
+            {"params": list(self.drafters[n].parameters()), "lr": s.lr,
+             "weight_decay": s.weight_decay, "name": n}
+            for n, s in self.specs.items()
+        ]
+        opt = torch.optim.AdamW(groups, betas=self.betas, eps=self.eps)
+        total, warm, floor = self.total_steps, self.warmup_frac, self.min_lr_ratio
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: lr_factor(step, total, warm, floor)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Per-drafter gradient clipping and norm logging (grads are unscaled here)."""
+        for group in optimizer.param_groups:
+            name = group["name"]
+            clip = self.specs[name].grad_clip
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            max_norm = clip if clip and clip > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            self.log(f"train/{name}/grad_norm", norm.detach().float(), on_step=True)
+            self.log(f"train/{name}/lr", float(group["lr"]), on_step=True)
+            if clip and clip > 0:
+                self.log(f"train/{name}/clipped", float(norm > clip), on_step=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {
+            "version": CKPT_VERSION,
+            "drafters": {n: {"config": s.model.to_dict(), "loss": dict(s.loss)}
+                         for n, s in self.specs.items()},
+            "target": dict(self.target_info),
+            "nonfinite_total": self.nonfinite_total,
+            "nonfinite_in_row": self.nonfinite_in_row,
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["dflash"] = self.checkpoint_meta()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        from dflash_lit.train.checkpoint import check_checkpoint_matches
+
+        check_checkpoint_matches(checkpoint, self.checkpoint_meta(), source="checkpoint")
+        meta = checkpoint["dflash"]
+        self.nonfinite_total = int(meta.get("nonfinite_total", 0))
+        self.nonfinite_in_row = int(meta.get("nonfinite_in_row", 0))
+
+
+def _isnan(v) -> bool:
+    try:
+        return math.isnan(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def rank_zero_print(msg: str) -> None:
+    from lightning.pytorch.utilities import rank_zero_info
+
+    rank_zero_info(msg)

@@ -1,0 +1,127 @@
+"""``train(cfg)``: the body of train.py — compose, validate, build, fit, return the monitor."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from dflash_lit.train.build import (
+    build_callbacks,
+    build_loggers,
+    build_specs,
+    build_target,
+    capture_layer_ids,
+    target_info,
+)
+from dflash_lit.train.checkpoint import check_checkpoint_matches, load_checkpoint_file
+from dflash_lit.train.module import DFlashModule
+from dflash_lit.train.resume import resolve_ckpt_path
+
+
+def _auto(value, on_cuda, off_cuda):
+    return (on_cuda if torch.cuda.is_available() else off_cuda) if value == "auto" else value
+
+
+def _world_size(tcfg: DictConfig) -> int:
+    devices = tcfg.get("devices", 1)
+    nodes = int(tcfg.get("num_nodes", 1) or 1)
+    if isinstance(devices, int) and devices > 0:
+        return devices * nodes
+    if isinstance(devices, list | tuple):
+        return len(devices) * nodes
+    n = torch.cuda.device_count() if tcfg.get("accelerator") in ("gpu", "cuda", "auto") else 1
+    return max(n, 1) * nodes
+
+
+def total_training_steps(cfg: DictConfig, dm) -> int:
+    """Optimizer steps of the whole run, from config + data (never estimated_stepping_batches,
+    which drops the saved dataloader state on resume: Lightning #20550)."""
+    max_steps = int(cfg.trainer.get("max_steps", -1) or -1)
+    if max_steps > 0:
+        return max_steps
+    epochs = int(cfg.trainer.get("max_epochs", 1) or 1)
+    world = _world_size(cfg.trainer)
+    if hasattr(dm, "train_batches_per_epoch"):
+        per_epoch = dm.train_batches_per_epoch(world)
+    else:  # every rank gets the same count: the global batches split evenly
+        per_epoch = math.ceil(len(dm.train_sampler()) / world)
+    accum = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
+    return max(1, epochs * math.ceil(per_epoch / accum))
+
+
+def train(cfg: DictConfig) -> float | None:
+    """Run one training job; returns ``cfg.monitor`` at the end (for Hydra sweepers)."""
+    hc = HydraConfig.get()
+    run_dir = Path(cfg.paths.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_root = Path(cfg.paths.log_dir) / cfg.run_name
+    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+
+    # 1. Cheap checks first: target config (no weights), drafter specs, data, checkpoint.
+    info = target_info(cfg.target)
+    specs = build_specs(cfg, info)
+    max_bs = max(s.model.block_size for s in specs)
+    dm = hydra.utils.instantiate(
+        cfg.data, vocab_size=info["vocab_size"], block_size=max_bs, seed=int(cfg.seed)
+    )
+    dm.setup("fit")
+    total = total_training_steps(cfg, dm)
+    ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), run_root, list(hc.overrides.task), run_dir)
+
+    # 2. Models.
+    target = build_target(cfg.target, capture_layer_ids(specs))
+    module = DFlashModule(
+        target=target,
+        specs=specs,
+        total_steps=total,
+        warmup_frac=float(cfg.optim.warmup_frac),
+        min_lr_ratio=float(cfg.optim.min_lr_ratio),
+        betas=tuple(cfg.optim.betas),
+        eps=float(cfg.optim.eps),
+        attention=_auto(cfg.attention, "flex", "dense"),
+        compile_mask=bool(_auto(cfg.compile_mask, True, False)),
+        seed=int(cfg.seed),
+        val_max_anchors=int(cfg.val_max_anchors),
+        log_tree_budgets=tuple(cfg.log_tree_budgets or ()),
+        max_nonfinite_in_row=int(cfg.max_nonfinite_in_row),
+        target_info=info,
+    )
+    if ckpt is not None:  # fail before training on a checkpoint from another setup
+        check_checkpoint_matches(load_checkpoint_file(ckpt), module.checkpoint_meta(), str(ckpt))
+        print(f"resuming from {ckpt}", flush=True)
+
+    # 3. Trainer, loggers, callbacks; the resolved config is saved next to the run.
+    loggers = build_loggers(cfg.get("logger"), run_dir, ckpt.parent.parent if ckpt else None)
+    callbacks = build_callbacks(cfg.get("callbacks"))
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, logger=loggers or False, callbacks=callbacks
+    )
+    resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k])
+                else cfg[k] for k in cfg if k != "hydra"}
+    (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
+    if ckpt is not None:
+        (run_dir / "resumed_from.txt").write_text(f"{ckpt}\n")
+    for lg in loggers:
+        lg.log_hyperparams(resolved)
+        exp_id = getattr(getattr(lg, "experiment", None), "id", None)
+        if "Wandb" in type(lg).__name__ and exp_id:
+            (run_dir / "wandb_id.txt").write_text(str(exp_id))
+
+    trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
+    value = trainer.callback_metrics.get(cfg.monitor)
+    _finish_wandb(loggers)
+    return float(value) if value is not None else None
+
+
+def _finish_wandb(loggers) -> None:
+    """Close the W&B run so the next multirun job starts a fresh one."""
+    if any("Wandb" in type(lg).__name__ for lg in loggers):
+        import wandb
+
+        wandb.finish()

@@ -1,0 +1,65 @@
+"""Per-drafter training specs: model shape, loss, noise and anchor schedules, optimiser knobs.
+
+``conf/train.yaml`` holds the defaults in the ``drafter``, ``loss`` and ``schedule`` groups;
+``drafters:`` maps names to per-drafter overrides merged on top, so a sweep of ``loss.gamma``
+moves every drafter that does not pin its own value.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_lit.model.config import DFlashConfig
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class NoiseSpec:
+    """σ(step): warm-up 0 -> peak over warmup_frac of training, cosine to final."""
+
+    peak: float = 0.0
+    final: float = 0.0
+    warmup_frac: float = 0.04
+    kind: str = "gaussian"  # gaussian: σ·N(0,1); uniform: U(-σ, σ)
+
+
+@dataclass
+class AnchorSpec:
+    """Anchors per sequence, ramped linearly from ``start`` to ``max`` over ``ramp_frac``."""
+
+    max: int = 512
+    start: int | None = None
+    ramp_frac: float = 0.0
+
+
+@dataclass
+class DrafterSpec:
+    """Everything that distinguishes one drafter of a (multi-drafter) run."""
+
+    name: str
+    model: DFlashConfig
+    loss: dict[str, Any] = field(default_factory=lambda: {"name": "hard_ce", "gamma": 7.0})
+    noise: NoiseSpec = field(default_factory=NoiseSpec)
+    anchors: AnchorSpec = field(default_factory=AnchorSpec)
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(
+                f"drafters.{self.name}: drafter names must be identifiers (letters, digits, _)"
+            )
+        if self.anchors.max < 1:
+            raise ValueError(f"drafters.{self.name}.anchors.max={self.anchors.max}: must be >= 1")
+        if self.noise.kind not in ("gaussian", "uniform"):
+            raise ValueError(
+                f"drafters.{self.name}.noise.kind={self.noise.kind!r}: use gaussian or uniform"
+            )
+        if min(self.noise.peak, self.noise.final) < 0:
+            raise ValueError(f"drafters.{self.name}.noise: peak/final must be >= 0")
+        if self.lr <= 0:
+            raise ValueError(f"drafters.{self.name}.lr={self.lr}: must be > 0")
