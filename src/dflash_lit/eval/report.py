@@ -1,0 +1,320 @@
+"""Run every evaluation method over a prompt set and write report.json / summary.md / a plot.
+
+τ of a method = all committed tokens of its speculative steps / number of steps (pooled over
+prompts; the prefill's first token belongs to no step). Every method's output is compared
+with the target's greedy decode (``baseline``); any difference is a losslessness failure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_lit.eval.offline import offline_streak
+from dflash_lit.eval.speculative import (
+    GenerationResult,
+    chain_generate,
+    first_mismatch,
+    ngram_generate,
+    target_greedy,
+    tree_generate,
+)
+from dflash_lit.model.drafter import DFlashDrafter
+
+METHODS = ("chain", "tree", "ngram", "baseline")
+
+
+class LosslessError(RuntimeError):
+    """A speculative method's output differs from the target's greedy decode."""
+
+
+@dataclass
+class EvalSettings:
+    """What to run; validated before any model is loaded."""
+
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    budgets: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
+    max_new_tokens: int = 256
+    block_size: int | None = None  # None: the drafter's trained block size
+    tree_top_k: int | None = None  # None: min(budget, vocab)
+    ngram_n_max: int = 3
+    ngram_n_min: int = 1
+    offline_streak: bool = False
+    warmup: bool = True
+
+    def validate(self) -> None:
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"methods={list(self.methods)}: unknown {bad}; choose from {list(METHODS)}")
+        if "tree" in self.methods and not self.budgets:
+            raise ValueError("budgets=[]: method tree needs at least one node budget (e.g. [4, 8])")
+        for b in self.budgets:
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ValueError(
+                    f"budgets={list(self.budgets)}: budget {b!r} is invalid; a DDTree node "
+                    "budget (root excluded) must be an int >= 1"
+                )
+        if len(set(self.budgets)) != len(self.budgets):
+            raise ValueError(f"budgets={list(self.budgets)} lists a budget twice")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be an int >= 1")
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"block_size={self.block_size}: need >= 2 (anchor + one draft) or null")
+        if not 1 <= self.ngram_n_min <= self.ngram_n_max:
+            raise ValueError(
+                f"ngram n_min={self.ngram_n_min}, n_max={self.ngram_n_max}: need 1 <= n_min <= n_max"
+            )
+
+    def method_keys(self) -> list[str]:
+        keys = []
+        for m in self.methods:
+            if m == "tree":
+                keys += [f"tree_b{b}" for b in self.budgets]
+            elif m != "baseline":
+                keys.append(m)
+        return keys
+
+
+def _run_method(key, target, drafter, ids, s: EvalSettings, eos, bs, max_new) -> GenerationResult:
+    if key == "chain":
+        return chain_generate(target, drafter, ids, max_new, eos, block_size=s.block_size)
+    if key == "ngram":
+        return ngram_generate(target, ids, max_new, eos, block_size=bs,
+                              n_max=s.ngram_n_max, n_min=s.ngram_n_min)
+    budget = int(key.removeprefix("tree_b"))
+    return tree_generate(target, drafter, ids, max_new, budget, eos, block_size=s.block_size,
+                         top_k=s.tree_top_k)
+
+
+def run_evaluation(
+    target: torch.nn.Module,
+    drafter: DFlashDrafter,
+    prompts: Sequence[tuple[str, list[int]]],
+    settings: EvalSettings,
+    eos_ids: Sequence[int] = (),
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate ``drafter`` on ``prompts`` [(id, token ids)]; returns the report dict.
+
+    Never raises on a losslessness failure: the report's ``lossless`` / ``mismatches`` say it
+    (``check_lossless`` raises), so the caller can write the report first.
+    """
+    settings.validate()
+    bs = int(settings.block_size or drafter.config.block_size)
+    keys = settings.method_keys()
+    eos = [int(e) for e in eos_ids]
+    if settings.warmup and prompts:  # first-call costs (allocator, kernels) off the clock
+        ids = prompts[0][1]
+        target_greedy(target, ids, min(8, settings.max_new_tokens), eos)
+        for k in keys:
+            _run_method(k, target, drafter, ids, settings, eos, bs, min(8, settings.max_new_tokens))
+    results: dict[str, list[GenerationResult]] = {k: [] for k in ["baseline", *keys]}
+    per_prompt: list[dict[str, Any]] = []
+    mismatches: list[dict[str, Any]] = []
+    offline: list[Any] = []
+    t_start = time.perf_counter()
+    it = prompts
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(prompts, desc="evaluate", unit="prompt")
+    for pid, ids in it:
+        ref = target_greedy(target, ids, settings.max_new_tokens, eos)
+        results["baseline"].append(ref)
+        row: dict[str, Any] = {"id": pid, "prompt_tokens": len(ids), "generated_tokens": len(ref.tokens)}
+        for k in keys:
+            r = _run_method(k, target, drafter, ids, settings, eos, bs, settings.max_new_tokens)
+            results[k].append(r)
+            row[k] = r.acceptance_lengths
+            pos = first_mismatch(r.tokens, ref.tokens)
+            if pos is not None:
+                mismatches.append({
+                    "prompt_id": pid, "method": k, "position": pos,
+                    "expected": ref.tokens[pos] if pos < len(ref.tokens) else None,
+                    "got": r.tokens[pos] if pos < len(r.tokens) else None,
+                })
+        if settings.offline_streak:
+            off = offline_streak(target, drafter, ids, ref.tokens, block_size=bs)
+            offline.append(off)
+            row["offline_streaks"] = off.streaks
+        per_prompt.append(row)
+    wall = time.perf_counter() - t_start
+    report: dict[str, Any] = {
+        "num_prompts": len(prompts),
+        "block_size": bs,
+        "lossless": not mismatches,
+        "mismatches": mismatches,
+        "methods": {k: summarize(v, results["baseline"]) for k, v in results.items()},
+        "per_prompt": per_prompt,
+        "wall_time_s": wall,
+        "settings": asdict(settings),
+    }
+    m = report["methods"]
+    report["tau_chain"] = m["chain"]["tau"] if "chain" in m else None
+    report["tau_tree"] = {str(b): m[f"tree_b{b}"]["tau"] for b in settings.budgets if f"tree_b{b}" in m}
+    report["tau_ngram"] = m["ngram"]["tau"] if "ngram" in m else None
+    if settings.offline_streak:
+        streaks = [s for o in offline for s in o.streaks]
+        correct = [sum(o.slot_correct[k] for o in offline) for k in range(bs - 1)]
+        valid = [sum(o.slot_valid[k] for o in offline) for k in range(bs - 1)]
+        mean = sum(streaks) / len(streaks) if streaks else float("nan")
+        report["offline"] = {
+            "streak": mean, "tau_offline": mean + 1, "blocks": len(streaks),
+            "slot_acc": [c / v if v else None for c, v in zip(correct, valid)],
+            "tau_chain": report["tau_chain"],
+        }
+    return _clean(report)
+
+
+def summarize(rs: list[GenerationResult], baseline: list[GenerationResult]) -> dict[str, Any]:
+    """Pooled statistics of one method over all prompts."""
+    taus = [t for r in rs for t in r.acceptance_lengths]
+    tokens = sum(len(r.tokens) for r in rs)
+    wall = sum(r.wall_time for r in rs)
+    base_tps = sum(len(r.tokens) for r in baseline) / max(sum(r.wall_time for r in baseline), 1e-12)
+    slots = max((len(r.slot_accepts) for r in rs), default=0)
+    acc = [sum(r.slot_accepts[k] for r in rs if k < len(r.slot_accepts)) for k in range(slots)]
+    att = [sum(r.slot_attempts[k] for r in rs if k < len(r.slot_attempts)) for k in range(slots)]
+    hist: dict[str, int] = {}
+    for t in taus:
+        hist[str(t)] = hist.get(str(t), 0) + 1
+    tps = tokens / wall if wall > 0 else float("nan")
+    per_prompt = [r.mean_tau for r in rs if r.num_steps]
+    return {
+        "tau": sum(taus) / len(taus) if taus else None,
+        "tau_per_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+        "steps": len(taus),
+        "tokens": tokens,
+        "wall_time_s": wall,
+        "tokens_per_s": tps,
+        "speedup": tps / base_tps if base_tps > 0 else None,
+        "target_forwards": sum(r.target_forwards for r in rs),
+        "slot_accepts": acc,
+        "slot_attempts": att,
+        "slot_accept_rate": [a / t if t else None for a, t in zip(acc, att)],
+        "tau_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+        "mean_draft_length": (sum(d for r in rs for d in r.draft_lengths) / len(taus)) if taus else None,
+        "recomputed": any(r.recomputed for r in rs),
+    }
+
+
+def _clean(obj: Any) -> Any:
+    """NaN/inf -> None so report.json is strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def check_lossless(report: dict[str, Any]) -> None:
+    """Raise ``LosslessError`` naming prompt id, method and first differing position."""
+    mm = report.get("mismatches") or []
+    if mm:
+        lines = [
+            f"prompt {m['prompt_id']}: method {m['method']} differs from target greedy at output "
+            f"position {m['position']} (expected {m['expected']}, got {m['got']})"
+            for m in mm[:10]
+        ]
+        more = f" (+{len(mm) - 10} more)" if len(mm) > 10 else ""
+        raise LosslessError("speculative output is not lossless:\n  " + "\n  ".join(lines) + more)
+
+
+# --------------------------------------------------------------------------- outputs
+def write_outputs(report: dict[str, Any], out_dir: str | Path, plot: bool = True) -> dict[str, Path]:
+    """report.json, summary.md and (``plot``) acceptance.png under ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"report": out / "report.json", "summary": out / "summary.md"}
+    paths["report"].write_text(json.dumps(report, indent=2) + "\n")
+    paths["summary"].write_text(summary_markdown(report))
+    if plot:
+        paths["plot"] = out / "acceptance.png"
+        plot_acceptance(report, paths["plot"])
+    return paths
+
+
+def _fmt(x: Any, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def summary_markdown(report: dict[str, Any]) -> str:
+    """A Markdown table: τ, tokens/s and speedup per method, plus per-slot acceptance."""
+    s = report["settings"]
+    lines = [
+        "# Speculative decoding evaluation",
+        "",
+        f"- prompts: {report['num_prompts']}, max_new_tokens: {s['max_new_tokens']}, "
+        f"block size: {report['block_size']}",
+        f"- lossless: **{'yes' if report['lossless'] else 'NO'}**"
+        + ("" if report["lossless"] else f" ({len(report['mismatches'])} mismatches)"),
+        "",
+        "| method | τ | τ (per-prompt mean) | steps | tokens/s | speedup | target forwards |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k, m in report["methods"].items():
+        tau = "1 (by definition)" if k == "baseline" else _fmt(m["tau"])
+        lines.append(
+            f"| {k} | {tau} | {_fmt(m['tau_per_prompt_mean'])} | {m['steps']} | "
+            f"{_fmt(m['tokens_per_s'], 1)} | {_fmt(m['speedup'])}x | {m['target_forwards']} |"
+        )
+    slot_methods = [k for k in report["methods"] if k != "baseline"]
+    if slot_methods:
+        n = max(len(report["methods"][k]["slot_accept_rate"]) for k in slot_methods)
+        lines += ["", "Per-slot acceptance rate (slot k accepted / steps where it could be verified):",
+                  "", "| method | " + " | ".join(str(k + 1) for k in range(n)) + " |",
+                  "|---|" + "---|" * n]
+        for k in slot_methods:
+            rates = report["methods"][k]["slot_accept_rate"]
+            lines.append(f"| {k} | " + " | ".join(_fmt(r) for r in rates) + " |")
+    off = report.get("offline")
+    if off:
+        lines += ["", f"Offline (teacher-forced, every anchor): streak {_fmt(off['streak'])}, "
+                      f"τ_offline {_fmt(off['tau_offline'])} vs online τ_chain {_fmt(off['tau_chain'])} "
+                      f"over {off['blocks']} blocks."]
+    lines += ["", f"Wall time: {_fmt(report['wall_time_s'], 1)} s", ""]
+    return "\n".join(lines)
+
+
+def plot_acceptance(report: dict[str, Any], path: str | Path) -> None:
+    """Histogram of τ per method and the per-slot acceptance curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = {k: m for k, m in report["methods"].items() if k != "baseline" and m["steps"]}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    bs = report["block_size"]
+    width = 0.8 / max(len(methods), 1)
+    for i, (k, m) in enumerate(methods.items()):
+        xs = list(range(1, bs + 1))
+        total = max(m["steps"], 1)
+        ys = [m["tau_histogram"].get(str(x), 0) / total for x in xs]
+        ax1.bar([x + (i - (len(methods) - 1) / 2) * width for x in xs], ys, width=width,
+                label=f"{k} (τ={_fmt(m['tau'])})")
+        rates = m["slot_accept_rate"]
+        ax2.plot(range(1, len(rates) + 1), [r if r is not None else float("nan") for r in rates],
+                 marker="o", label=k)
+    ax1.set(xlabel="acceptance length τ per step", ylabel="share of steps", title="τ histogram")
+    ax2.set(xlabel="draft slot / tree depth", ylabel="acceptance rate", ylim=(0, 1.02),
+            title="per-slot acceptance")
+    ax1.set_xticks(range(1, bs + 1) if bs <= 20 else range(1, bs + 1, max(1, bs // 10)))
+    ax2.set_xticks(range(1, bs) if bs <= 20 else range(1, bs, max(1, bs // 10)))
+    for ax in (ax1, ax2):
+        if methods:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,150 @@
+"""Export a trained drafter to the z-lab layout that vLLM, SGLang and z-lab's loader read.
+
+``config.json`` keeps z-lab ``target_layer_ids`` (id i = output of decoder layer i). vLLM and
+SGLang read those ids from ``dflash_config`` and convert internally; only a serving-side field
+that takes "input of layer" ids would need id + 1 (DESIGN §2, NOTES).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_lit.eval.loading import DrafterInfo, load_drafter
+from dflash_lit.model.drafter import DFlashDrafter
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ExportResult:
+    """What was written and how the reloaded drafter compares with the source."""
+
+    out_dir: Path
+    name: str | None
+    dtype: str
+    max_abs_diff: float  # final-normed drafter outputs, source vs reloaded, random input
+    logits_max_abs_diff: float | None  # the same through an lm_head (target's, or a random one)
+    weights_equal: bool  # reloaded tensors == source tensors cast to the export dtype
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    """``None``/"keep" keeps the source dtype; else one of ``DTYPES``."""
+    if name in (None, "", "keep", "null"):
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r}: choose one of {sorted(DTYPES)} (or keep)")
+    return DTYPES[name]
+
+
+def serve_readme(drafter: DFlashDrafter, out_dir: Path, info: DrafterInfo) -> str:
+    """README.md with vLLM / SGLang serve commands for this drafter."""
+    c = drafter.config
+    spec = c.block_size - 1
+    target = info.target.get("path") or "<TARGET_MODEL>"
+    ids = list(c.target_layer_ids)
+    engine_ids = [i + 1 for i in ids]
+    last = c.num_target_layers - 1
+    warn = ""
+    if last in ids:
+        warn = (
+            f"\n> **Warning:** layer id {last} is the target's last layer (HF hidden_states[-1], "
+            "after the final norm). Serving engines capture the *input* of layer id+1, which does "
+            "not exist for it: this drafter will not reproduce its training features there.\n"
+        )
+    src = f"{info.path}" + (f" (drafter `{info.name}`)" if info.name else "")
+    return f"""# DFlash drafter
+
+Exported by dflash-lit from `{src}`.
+
+- block size: {c.block_size} (`num_speculative_tokens` = {spec})
+- drafter layers: {c.num_hidden_layers}, hidden size {c.hidden_size}, mask token id {c.mask_token_id}
+- target: `{target}` ({c.num_target_layers} layers, vocab {c.vocab_size or "unrecorded"})
+- context layers (z-lab ids, output of decoder layer i): `{ids}`
+{warn}
+## vLLM
+
+```bash
+vllm serve {target} \\
+  --speculative-config '{{"method": "dflash", "model": "{out_dir}", "num_speculative_tokens": {spec}}}'
+```
+
+## SGLang
+
+```bash
+python -m sglang.launch_server --model-path {target} \\
+  --speculative-algorithm DFLASH --speculative-draft-model-path {out_dir}
+```
+
+## Layer ids
+
+`config.json` stores z-lab ids in `dflash_config.target_layer_ids`; vLLM and SGLang read them
+there and capture the matching hidden states themselves, so nothing needs converting. If a
+serving option asks for "input of layer" ids (the convention vLLM/SGLang use internally, e.g.
+EAGLE-3-style auxiliary layer ids), pass z-lab id + 1: `{engine_ids}`.
+
+The drafter has no embedding or lm_head of its own: it uses the target's (`tie_word_embeddings:
+false`, no `embed_tokens` / `lm_head` tensors here).
+"""
+
+
+@torch.no_grad()
+def _compare(src: DFlashDrafter, reloaded: DFlashDrafter, lm_head: torch.nn.Module | None,
+             seed: int = 0) -> tuple[float, float | None]:
+    c = src.config
+    g = torch.Generator().manual_seed(seed)
+    k = len(c.target_layer_ids)
+    ctx, q = 7, c.block_size
+    emb = torch.randn(1, q, c.hidden_size, generator=g)
+    th = torch.randn(1, ctx, k * c.hidden_size, generator=g)
+    pos = torch.arange(ctx + q)[None]
+    outs = []
+    for m in (src, reloaded):
+        p = next(m.parameters())
+        h = m(emb.to(p.device, p.dtype), th.to(p.device, p.dtype), pos.to(p.device))
+        outs.append(h.float().cpu())
+    diff = float((outs[0] - outs[1]).abs().max())
+    if lm_head is None:
+        head = torch.randn(c.vocab_size or 256, c.hidden_size, generator=g) * c.hidden_size ** -0.5
+        logits = [h @ head.T for h in outs]
+    else:
+        w = lm_head.weight
+        logits = [lm_head(h.to(w.device, w.dtype)).float().cpu() for h in outs]
+    return diff, float((logits[0] - logits[1]).abs().max())
+
+
+def export_zlab(
+    ckpt: str | Path,
+    out_dir: str | Path,
+    name: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    lm_head: torch.nn.Module | None = None,
+) -> ExportResult:
+    """Write ``ckpt``'s drafter ``name`` as a z-lab directory, reload it and compare.
+
+    The comparison runs both drafters on one random input; ``lm_head`` (the target's, when
+    given) turns outputs into logits, otherwise a fixed random projection stands in (the
+    target's head is not in the checkpoint). With ``dtype`` None the diffs are exactly 0.
+    """
+    td = dtype if isinstance(dtype, torch.dtype) or dtype is None else parse_dtype(dtype)
+    drafter, info = load_drafter(ckpt, name)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise FileExistsError(
+            f"out={out} exists, is not empty and is not a drafter directory; choose a new folder"
+        )
+    drafter.save_pretrained(out, dtype=td)
+    (out / "README.md").write_text(serve_readme(drafter, out, info))
+    reloaded = DFlashDrafter.from_pretrained(out)
+    src_state = drafter.state_dict()
+    equal = all(
+        torch.equal(src_state[k].to(td or src_state[k].dtype), v)
+        for k, v in reloaded.state_dict().items()
+    )
+    diff, ldiff = _compare(drafter, reloaded, lm_head)
+    dt = str(next(reloaded.parameters()).dtype).removeprefix("torch.")
+    return ExportResult(out, info.name, dt, diff, ldiff, equal, info.to_dict())

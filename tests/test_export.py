@@ -1,0 +1,199 @@
+"""Checkpoint loading, z-lab export round-trip, evaluate.py / export.py end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from dflash_lit import DFlashConfig, DFlashDrafter
+from dflash_lit.eval.loading import load_drafter
+from dflash_lit.export.zlab import export_zlab
+from dflash_lit.tiny.random_targets import save_tiny, tiny_qwen3
+
+ROOT = Path(__file__).resolve().parents[1]
+V, D, L = 96, 32, 4
+
+
+def cfg(**kw) -> DFlashConfig:
+    base = dict(hidden_size=D, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                intermediate_size=48, num_hidden_layers=1, block_size=4, mask_token_id=3,
+                num_target_layers=L, target_layer_ids=[0, 2], vocab_size=V)
+    base.update(kw)
+    return DFlashConfig(**base)
+
+
+def make_ckpt(path: Path, drafters: dict[str, DFlashDrafter], target_path: str) -> Path:
+    """A Lightning-style .ckpt following the training module's contract."""
+    state = {f"drafters.{n}.{k}": v.clone() for n, d in drafters.items()
+             for k, v in d.state_dict().items()}
+    ckpt = {
+        "epoch": 0, "global_step": 5, "state_dict": state,
+        "dflash": {
+            "version": 1,
+            "drafters": {n: {"config": d.config.to_dict()} for n, d in drafters.items()},
+            "target": {"path": target_path, "layer_ids": [0, 2], "hidden_size": D,
+                       "num_layers": L, "vocab_size": V},
+        },
+    }
+    torch.save(ckpt, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export")
+    target_dir = save_tiny(tiny_qwen3(vocab_size=V, hidden_size=D, num_layers=L, head_dim=8,
+                                      intermediate_size=64, seed=0), tmp / "target")
+    torch.manual_seed(0)
+    drafters = {"main": DFlashDrafter(cfg()), "gamma7": DFlashDrafter(cfg(num_hidden_layers=2))}
+    ckpt = make_ckpt(tmp / "last.ckpt", drafters, str(target_dir))
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": t}) + "\n" for i, t in
+                               enumerate(["def add(a, b):\n", "x = [1, 2, 3]\nfor i in x:\n",
+                                          "class Foo:\n    def __init__(self):\n"])))
+    return {"tmp": tmp, "target": target_dir, "ckpt": ckpt, "drafters": drafters,
+            "prompts": prompts}
+
+
+def test_load_drafter_by_name(setup):
+    d, info = load_drafter(setup["ckpt"], "gamma7")
+    assert info.source == "ckpt" and info.name == "gamma7"
+    assert info.available == ["gamma7", "main"] and info.global_step == 5
+    assert info.target["path"] == str(setup["target"])
+    src = setup["drafters"]["gamma7"].state_dict()
+    assert all(torch.equal(src[k], v) for k, v in d.state_dict().items())
+    with pytest.raises(ValueError, match=r"holds 2 drafters \['gamma7', 'main'\]; choose one"):
+        load_drafter(setup["ckpt"])
+    with pytest.raises(ValueError, match=r"no drafter named 'v9'; available: \['gamma7', 'main'\]"):
+        load_drafter(setup["ckpt"], "v9")
+    bad = setup["tmp"] / "plain.ckpt"
+    torch.save({"state_dict": {}}, bad)
+    with pytest.raises(ValueError, match="no 'dflash' metadata"):
+        load_drafter(bad)
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_export_reload_identical(setup, dtype):
+    out = setup["tmp"] / f"zlab_{dtype}"
+    res = export_zlab(setup["ckpt"], out, name="main", dtype=dtype)
+    assert res.weights_equal
+    cfg_json = json.loads((out / "config.json").read_text())
+    assert cfg_json["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [0, 2]}
+    assert cfg_json["block_size"] == 4 and cfg_json["architectures"] == ["DFlashDraftModel"]
+    readme = (out / "README.md").read_text()
+    assert '"method": "dflash"' in readme and '"num_speculative_tokens": 3' in readme
+    assert f"--speculative-draft-model-path {out}" in readme and "[1, 3]" in readme
+    if dtype is None:
+        assert res.max_abs_diff == 0.0 and res.logits_max_abs_diff == 0.0
+        d, info = load_drafter(out)
+        assert info.source == "zlab"
+        src = setup["drafters"]["main"]
+        x, th, pos = torch.randn(1, 4, D), torch.randn(1, 5, 2 * D), torch.arange(9)[None]
+        assert torch.equal(d(x, th, pos), src(x, th, pos))
+    else:
+        assert cfg_json["torch_dtype"] == "bfloat16" and res.dtype == "bfloat16"
+        assert 0 < res.max_abs_diff < 0.1
+
+
+def _evaluate_module():
+    spec = importlib.util.spec_from_file_location("dflash_evaluate", ROOT / "evaluate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _eval_cfg(overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf" / "tools"), version_base="1.3"):
+        return compose("evaluate", overrides=overrides)
+
+
+def test_evaluate_exported_dir_equals_checkpoint(setup):
+    ev = _evaluate_module()
+    common = [f"prompts_path={setup['prompts']}", "prompts=jsonl", "max_new_tokens=16",
+              "budgets=[3,8]", "progress=false", "warmup=false", "offline_streak=true"]
+    out_ckpt = setup["tmp"] / "eval_ckpt"
+    assert ev.run(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main", f"out={out_ckpt}",
+                             *common]), out_ckpt) == 0
+    zdir = setup["tmp"] / "zlab_eval"
+    export_zlab(setup["ckpt"], zdir, name="main")
+    out_dir = setup["tmp"] / "eval_dir"
+    assert ev.run(_eval_cfg([f"ckpt={zdir}", f"target={setup['target']}", f"out={out_dir}",
+                             *common]), out_dir) == 0
+    a = json.loads((out_ckpt / "report.json").read_text())
+    b = json.loads((out_dir / "report.json").read_text())
+    assert a["lossless"] and b["lossless"]
+    assert a["tau_chain"] == b["tau_chain"] and a["tau_tree"] == b["tau_tree"]
+    assert a["tau_ngram"] == b["tau_ngram"] and a["offline"]["streak"] == b["offline"]["streak"]
+    for ra, rb in zip(a["per_prompt"], b["per_prompt"]):
+        assert ra["chain"] == rb["chain"] and ra["tree_b8"] == rb["tree_b8"]
+    assert [r["id"] for r in a["per_prompt"]] == ["q0", "q1", "q2"]
+    assert (out_ckpt / "summary.md").read_text().count("| tree_b") == 4
+    assert (out_ckpt / "acceptance.png").stat().st_size > 1000
+
+
+def test_evaluate_exits_nonzero_when_not_lossless(setup, monkeypatch):
+    import dflash_lit.eval.report as report_mod
+
+    real = report_mod.chain_generate
+
+    def corrupt(*args, **kwargs):
+        r = real(*args, **kwargs)
+        r.tokens[3] = (r.tokens[3] + 1) % V
+        return r
+
+    monkeypatch.setattr(report_mod, "chain_generate", corrupt)
+    ev = _evaluate_module()
+    out = setup["tmp"] / "eval_bad"
+    code = ev.run(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main", f"out={out}",
+                             f"prompts_path={setup['prompts']}", "prompts=jsonl", "limit=1",
+                             "max_new_tokens=8", "methods=[chain]", "progress=false",
+                             "warmup=false", "plot=false"]), out)
+    assert code == 1
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["lossless"] is False
+    assert rep["mismatches"][0]["prompt_id"] == "q0" and rep["mismatches"][0]["position"] == 3
+
+
+def test_evaluate_mismatched_target_errors(setup):
+    other = save_tiny(tiny_qwen3(vocab_size=V, hidden_size=48, num_layers=L, head_dim=8,
+                                 intermediate_size=64), setup["tmp"] / "wide_target")
+    ev = _evaluate_module()
+    with pytest.raises(ValueError, match="hidden_size=32 but target hidden size=48"):
+        ev.run(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main", f"target={other}",
+                          "prompts=humaneval", "limit=1"]), setup["tmp"] / "eval_wide")
+
+
+def _hydra_main(module_file: str, argv: list[str], monkeypatch) -> int:
+    """Run a script as ``python <script> argv...`` in-process (no interpreter start-up cost).
+
+    Executed as ``__main__`` so its ``if __name__ == "__main__"`` block runs and Hydra resolves
+    ``config_path`` from the script file, exactly as on the command line. Returns the exit code.
+    """
+    spec = importlib.util.spec_from_file_location("__main__", ROOT / module_file)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / module_file), *argv])
+    try:
+        spec.loader.exec_module(mod)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def test_cli_export_and_bad_prompt_set(setup, monkeypatch, capsys):
+    out = setup["tmp"] / "cli_export"
+    code = _hydra_main("export.py", [f"ckpt={setup['ckpt']}", f"out={out}", "drafter=gamma7",
+                                     f"hydra.run.dir={setup['tmp'] / 'hydra_export'}"], monkeypatch)
+    assert code == 0
+    assert "weights equal=True, max abs diff outputs=0" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    code = _hydra_main("evaluate.py", [f"ckpt={setup['ckpt']}", "drafter=main",
+                                       "prompts=mbpp", f"hydra.run.dir={setup['tmp'] / 'hydra_eval'}"],
+                       monkeypatch)
+    assert code == 1
+    assert "unknown prompt set 'mbpp'" in capsys.readouterr().err
