@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="safety cap on pretraining wall time (the step count stays fixed)")
     b.add_argument("--max-steps", type=int, default=None, help="override the preset's max_steps")
     b.add_argument("--no-resume", action="store_true", help="ignore work-dir state")
+    d = sub.add_parser("data", help="regenerate the default data with the built tiny target")
+    d.add_argument("--out", type=Path, default=Path("artifacts/tiny"))
+    d.add_argument("--max-new-tokens", type=int, default=192)
+    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--limit", type=int, default=None, help="train prompts (default: all)")
     args = ap.parse_args(argv)
+
+    if args.cmd == "data":
+        from .data import build_data
+
+        summary = build_data(args.out, args.max_new_tokens, args.batch_size, args.limit)
+        for split, s in summary.items():
+            print(f"{split}: {json.dumps(s.get('dataset'))} | {json.dumps(s.get('throughput'))}")
+        return 0
 
     from .build import build
     from .model import get_preset

@@ -20,6 +20,7 @@ from dflash_lit.train.build import (
     target_info,
 )
 from dflash_lit.train.checkpoint import check_checkpoint_matches, load_checkpoint_file
+from dflash_lit.train.checkpoint_io import AtomicCheckpointIO
 from dflash_lit.train.module import DFlashModule
 from dflash_lit.train.resume import resolve_ckpt_path
 
@@ -50,7 +51,7 @@ def total_training_steps(cfg: DictConfig, dm) -> int:
     if hasattr(dm, "train_batches_per_epoch"):
         per_epoch = dm.train_batches_per_epoch(world)
     else:  # every rank gets the same count: the global batches split evenly
-        per_epoch = math.ceil(len(dm.train_sampler()) / world)
+        per_epoch = math.ceil(len(dm.train_sampler) / world)
     accum = int(cfg.trainer.get("accumulate_grad_batches", 1) or 1)
     return max(1, epochs * math.ceil(per_epoch / accum))
 
@@ -99,8 +100,12 @@ def train(cfg: DictConfig) -> float | None:
     # 3. Trainer, loggers, callbacks; the resolved config is saved next to the run.
     loggers = build_loggers(cfg.get("logger"), run_dir, ckpt.parent.parent if ckpt else None)
     callbacks = build_callbacks(cfg.get("callbacks"))
+    # Atomic checkpoint writes always; config plugins (e.g. SLURMEnvironment) come on top.
+    plugins = [hydra.utils.instantiate(p) for p in (cfg.trainer.get("plugins") or [])]
+    plugins.append(AtomicCheckpointIO())
+    tkw = {k: v for k, v in cfg.trainer.items() if k != "plugins"}
     trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, logger=loggers or False, callbacks=callbacks
+        tkw, logger=loggers or False, callbacks=callbacks, plugins=plugins, _convert_="partial"
     )
     resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k])
                 else cfg[k] for k in cfg if k != "hydra"}

@@ -1,0 +1,175 @@
+"""End-to-end training: exact resume, checkpoint contents, experiments, sweeps, bad input."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from train_utils import REPO, base_overrides, drafter_state, make_shards, run_train
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return make_shards(root / "train", n=40), make_shards(root / "val", n=6, seed=1)
+
+
+def _metrics(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_resume_is_bit_exact_three_drafters_mid_epoch(tmp_path, data):
+    """N+M straight == N, stop, resume, M — three drafters, ramped anchors and noise active."""
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + [
+        "experiment=multi_drafter",
+        "trainer.max_steps=9",
+        "callbacks.model_checkpoint.every_n_train_steps=4",
+        "schedule.noise.peak=0.05",
+        "schedule.noise.final=0.01",
+        "schedule.noise.warmup_frac=0.3",
+        "schedule.anchors.start=2",
+        "schedule.anchors.ramp_frac=0.8",
+        "optim.warmup_frac=0.2",
+    ]
+    run_train(ov, tmp_path / "straight")
+    ckpts = tmp_path / "straight" / "checkpoints"
+    mid = ckpts / "step0000004.ckpt"
+    assert mid.is_file(), sorted(p.name for p in ckpts.iterdir())
+    meta = torch.load(mid, map_location="cpu", weights_only=False)
+    batches_per_epoch = meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"]
+    assert meta["epoch"] == 0 or batches_per_epoch % 9  # the cut is not on an epoch boundary
+    run_train(ov + [f"ckpt_path={mid}"], tmp_path / "resumed")
+    a = drafter_state(ckpts / "last.ckpt")
+    b = drafter_state(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
+    assert sorted({k.split(".")[1] for k in a}) == ["gamma10", "gamma4", "gamma7"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # every drafter's Adam moments continue exactly too
+    oa = torch.load(ckpts / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    ob = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt",
+                    weights_only=False)["optimizer_states"][0]["state"]
+    assert oa.keys() == ob.keys() and len(oa) == len(a)
+    for i in oa:
+        assert torch.equal(oa[i]["exp_avg"], ob[i]["exp_avg"])
+        assert torch.equal(oa[i]["exp_avg_sq"], ob[i]["exp_avg_sq"])
+    # logged curves continue: steps 4.. of the resumed run equal the straight run's
+    sa = {r["step"]: r["train/gamma7/loss"] for r in _metrics(tmp_path / "straight")
+          if r.get("train/gamma7/loss")}
+    sb = {r["step"]: r["train/gamma7/loss"] for r in _metrics(tmp_path / "resumed")
+          if r.get("train/gamma7/loss")}
+    assert min(int(s) for s in sb) == 4
+    assert all(sa[s] == sb[s] for s in sb)
+
+
+def test_checkpoint_holds_drafters_and_optimizer_not_target(tmp_path, data):
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + ["experiment=multi_drafter", "trainer.max_steps=2"]
+    run_train(ov, tmp_path / "run")
+    ck = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    keys = ck["state_dict"].keys()
+    assert all(k.startswith(("drafters.", "train_metrics.", "val_metrics.")) for k in keys)
+    assert not any("embed_tokens" in k or "lm_head" in k or k.startswith("model.") for k in keys)
+    opt = ck["optimizer_states"][0]
+    names = [g["name"] for g in opt["param_groups"]]
+    assert names == ["gamma4", "gamma7", "gamma10"]
+    n_params = sum(1 for k in keys if k.startswith("drafters."))
+    assert len(opt["state"]) == n_params  # moments for every parameter of every drafter
+    assert set(ck["dflash"]["drafters"]) == {"gamma4", "gamma7", "gamma10"}
+    assert ck["dflash"]["drafters"]["gamma4"]["loss"]["gamma"] == 4.0
+    assert ck["dflash"]["target"]["hidden_size"] == 64
+
+
+@pytest.mark.parametrize("exp", ["v3_composite", "v4_5layer", "v5_hardce", "multi_drafter"])
+def test_experiments_compose_and_run(tmp_path, data, exp):
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + [f"experiment={exp}", "debug=fast_dev_run"]
+    _, cfg = run_train(ov, tmp_path / exp)
+    if exp in ("v3_composite", "v5_hardce"):
+        assert cfg.drafter.drop_last_context_layers == 1
+    if exp == "v4_5layer":
+        assert cfg.drafter.drop_last_context_layers == 0 and cfg.loss.name == "composite"
+        assert cfg.schedule.noise.peak == 0.01  # (anchors.max=1024 is overridden by the test)
+
+
+def test_loss_falls_and_acc_rises(tmp_path, data):
+    """A real (if tiny) learning signal: stride-1 progressions, a target with larger init so
+    its frozen lm_head can express confident logits within 40 steps."""
+    _, val = data
+    train = make_shards(tmp_path / "easy", n=40, max_stride=1)
+    ov = base_overrides(tmp_path, train, val) + [
+        "experiment=v5_hardce", "loss.labels=data", "trainer.max_steps=40",
+        "optim.lr=3e-3", "schedule.anchors.max=16", "+target.build.initializer_range=0.3",
+    ]
+    run_train(ov, tmp_path / "run")
+    rows = [r for r in _metrics(tmp_path / "run") if r.get("train/main/loss")]
+    loss = [float(r["train/main/loss"]) for r in rows]
+    acc = [float(r["train/main/acc"]) for r in rows]
+    assert len(loss) == 40
+    assert sum(loss[-5:]) / 5 < 0.8 * sum(loss[:5]) / 5
+    assert sum(acc[-10:]) / 10 > 1.5 * sum(acc[:10]) / 10
+
+
+def test_ckpt_path_last_picks_newest_matching_run(tmp_path, data):
+    from dflash_lit.train.resume import resolve_ckpt_path
+
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + ["trainer.max_steps=2"]
+    run_train(ov, tmp_path / "outputs" / "dflash" / "a")
+    run_train(ov + ["seed=1"], tmp_path / "outputs" / "dflash" / "b")  # other job
+    root = tmp_path / "outputs" / "dflash"
+    got = resolve_ckpt_path("last", root, ov + ["ckpt_path=last"], root / "new")
+    assert got == root / "a" / "checkpoints" / "last.ckpt"
+    with pytest.raises(FileNotFoundError, match="no earlier run"):
+        resolve_ckpt_path("last", root, ov + ["seed=7"], root / "new")
+    with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+        resolve_ckpt_path(str(tmp_path / "nope.ckpt"), root, ov, root / "new")
+
+
+def test_resume_with_other_drafter_shape_fails_before_training(tmp_path, data):
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + ["trainer.max_steps=2"]
+    run_train(ov, tmp_path / "a")
+    ck = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    with pytest.raises(ValueError, match=r"intermediate_size=96 in the checkpoint but 64"):
+        run_train(ov + ["drafter.intermediate_size=64", f"ckpt_path={ck}"], tmp_path / "b")
+    with pytest.raises(ValueError, match="block_size=8 in the checkpoint but 4"):
+        run_train(ov + ["drafter.block_size=4", f"ckpt_path={ck}"], tmp_path / "c")
+
+
+def test_bad_data_errors_before_model_loads(tmp_path, data):
+    from dflash_lit.data.shards import write_shards
+
+    train, val = data
+    ov = base_overrides(tmp_path, train, val)
+    with pytest.raises(ValueError, match="data.path: .* does not exist"):
+        run_train(ov + [f"data.path={tmp_path}/missing"], tmp_path / "r1")
+    bad = tmp_path / "bad_vocab"
+    write_shards([{"id": "x", "source": "s", "input_ids": [5] * 40 + [500],
+                   "loss_mask": [1] * 41}], bad)
+    with pytest.raises(ValueError, match="500"):
+        run_train(ov + [f"data.path={bad}"], tmp_path / "r2")
+
+
+def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path,
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_cli_multirun_and_unknown_key(tmp_path, data):
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + ["debug=fast_dev_run"]
+    r = _cli(["-m", *ov, "loss.gamma=4,7"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = sorted((tmp_path / "outputs" / "dflash").glob("multirun_*/*/.hydra/overrides.yaml"))
+    assert len(jobs) == 2
+    assert not any(p.name not in ("outputs",) for p in tmp_path.iterdir())  # nothing else written
+    r = _cli([*ov, "trainer.no_such_key=1"], tmp_path)
+    assert r.returncode != 0 and "no_such_key" in r.stderr
