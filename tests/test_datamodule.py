@@ -120,7 +120,8 @@ def test_error_mask_length_mismatch(tmp_path: Path) -> None:
     write_shards(rows, tmp_path)
     with pytest.raises(
         ShardError,
-        match=r"shard-00000\.parquet: row id 'bad' \(row 2\): loss_mask has 4 entries but input_ids has 5",
+        match=r"shard-00000\.parquet: row id 'bad' \(row 2\): "
+        r"loss_mask has 4 entries but input_ids has 5",
     ):
         load_shards(tmp_path, min_completion_tokens=1)
 
@@ -262,6 +263,7 @@ def test_rank_and_world_from_trainer(shard_dir: Path) -> None:
         loader = dm.train_dataloader()
         assert (loader.batch_sampler.rank, loader.batch_sampler.world_size) == (rank, 2)
         seen.append([i for b in loader for i in b["index"].tolist()])
+        assert len(loader) == dm.train_batches_per_epoch() == dm.train_batches_per_epoch(2)
     assert len(seen[0]) + len(seen[1]) == 120 and sorted(seen[0] + seen[1]) == list(range(120))
     dm = _dm(shard_dir / "data", shard_dir / "c")
     dm.trainer = SimpleNamespace(

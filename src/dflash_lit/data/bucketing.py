@@ -224,6 +224,11 @@ class BucketBatchSampler:
         return padding_efficiency(self.global_batches_for_epoch(e), self.lengths)
 
     # ----------------------------------------------------------------- sampler protocol
+    @property
+    def num_global_batches(self) -> int:
+        """Batches per epoch over all ranks before equalising (same for every epoch)."""
+        return self._num_global
+
     def __len__(self) -> int:
         """Batches per epoch on this rank (the same for every epoch and every rank)."""
         return self._num_padded // self.world_size
@@ -270,8 +275,9 @@ class BucketBatchSampler:
             )
         if "num_batches" in state and int(state["num_batches"]) != len(self):
             raise ValueError(
-                f"sampler state was saved with {state['num_batches']} batches per epoch but the data "
-                f"now gives {len(self)}: the dataset, max_length, token_budget or buckets changed"
+                f"sampler state was saved with {state['num_batches']} batches per epoch but "
+                f"the data now gives {len(self)}: the dataset, max_length, token_budget or "
+                "buckets changed"
             )
         consumed = int(state["batches_consumed"])
         if not 0 <= consumed <= len(self):

@@ -100,7 +100,8 @@ class DFlashDataModule(L.LightningDataModule):
             raise ValueError("data.val_path excludes data.val_fraction / data.val_size")
         if num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
-        self.save_hyperparameters()
+        # No save_hyperparameters(): Lightning refuses to log when a module hparam of the same
+        # name (seed, max_length, vocab_size, ...) differs; the Hydra config records these.
         self.path = path
         self.val_path = val_path
         self.val_fraction = val_fraction
@@ -139,7 +140,7 @@ class DFlashDataModule(L.LightningDataModule):
         )
 
     def setup(self, stage: str | None = None) -> None:
-        """Load, validate, filter and split (idempotent: call it early to fail before models load)."""
+        """Load, validate, filter, split. Idempotent: call it early to fail before models load."""
         if self.train_dataset is not None:
             return
         data, self.filter_report = self._load(self.path, "data.path")
@@ -191,7 +192,8 @@ class DFlashDataModule(L.LightningDataModule):
         """The epoch Lightning is about to run (``processed`` survives an end-of-epoch save)."""
         trainer = getattr(self, "trainer", None)
         try:
-            return int(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[union-attr]
+            progress = trainer.fit_loop.epoch_progress  # type: ignore[union-attr]
+            return int(progress.current.processed)
         except AttributeError:
             return 0
 
@@ -226,6 +228,15 @@ class DFlashDataModule(L.LightningDataModule):
             self._train_sampler = self._sampler(self.train_dataset, shuffle=True)
         return self._train_sampler
 
+    def train_batches_per_epoch(self, world_size: int | None = None) -> int:
+        """Batches per epoch on each rank for ``world_size`` ranks (default: the trainer's).
+
+        Exact for every epoch (the bucket batch sizes are fixed): ``ceil(T / world_size)`` with
+        ``T`` the global batch count, as the sampler equalises ranks by splitting batches.
+        """
+        world = self._rank_world()[1] if world_size is None else int(world_size)
+        return -(-self.train_sampler.num_global_batches // world)
+
     @property
     def padding_efficiency(self) -> float:
         """Real / padded tokens of the current training epoch (all ranks)."""
@@ -252,7 +263,7 @@ class DFlashDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> torch.utils.data.DataLoader | list:
-        """Fixed-order loader (sorted by length, same every epoch); ``[]`` when there is no val set."""
+        """Fixed-order loader (sorted by length, same every epoch); ``[]`` without a val set."""
         self.setup()
         if self.val_dataset is None or len(self.val_dataset) == 0:
             return []

@@ -1,4 +1,4 @@
-"""Regenerated-completion shards: write, load (memory-mapped Arrow via ``datasets``), validate, filter.
+"""Regenerated-completion shards: write, load (memory-mapped Arrow), validate, filter.
 
 A shard row has ``id`` (str), ``source`` (str), ``input_ids`` (list of int) and ``loss_mask``
 (list of 0/1, same length, 1 on completion tokens). ``load_shards`` accepts a directory of
@@ -55,7 +55,8 @@ class FilterReport:
     def summary(self) -> str:
         """One log line."""
         return (
-            f"kept {self.kept}/{self.total} rows; dropped: all-zero loss_mask {self.all_zero_mask}, "
+            f"kept {self.kept}/{self.total} rows; dropped: "
+            f"all-zero loss_mask {self.all_zero_mask}, "
             f"over max_length {self.overlength_dropped}, short completion {self.short_completion}; "
             f"truncated {self.truncated}"
         )
@@ -219,7 +220,7 @@ def _row_of(offsets: np.ndarray, pos: int) -> int:
 def _validate_and_count(
     file: Path, table: pa.Table, vocab_size: int | None, max_length: int | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Check one shard; return (length, completion tokens, completion tokens in first max_length)."""
+    """Check one shard; return per-row length, completion tokens, and those in max_length."""
     ids = table.column("id")
     ioff, ivals = _list_column(table, "input_ids", file, ids)
     moff, mvals = _list_column(table, "loss_mask", file, ids)
