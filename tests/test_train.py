@@ -43,8 +43,10 @@ def test_resume_is_bit_exact_three_drafters_mid_epoch(tmp_path, data):
     mid = ckpts / "step0000004.ckpt"
     assert mid.is_file(), sorted(p.name for p in ckpts.iterdir())
     meta = torch.load(mid, map_location="cpu", weights_only=False)
-    batches_per_epoch = meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"]
-    assert meta["epoch"] == 0 or batches_per_epoch % 9  # the cut is not on an epoch boundary
+    progress = meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    # the cut is inside epoch 0, not on its boundary: 4 batches in, more to come
+    assert meta["epoch"] == 0 and progress["current"]["ready"] == 4
+    assert not progress["is_last_batch"]
     run_train(ov + [f"ckpt_path={mid}"], tmp_path / "resumed")
     a = drafter_state(ckpts / "last.ckpt")
     b = drafter_state(tmp_path / "resumed" / "checkpoints" / "last.ckpt")

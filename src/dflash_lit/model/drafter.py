@@ -83,11 +83,6 @@ class DrafterCache:
     def length(self) -> int:
         return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
 
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` cached context positions."""
-        self.keys = [k[:, :, :length] if k is not None else None for k in self.keys]
-        self.values = [v[:, :, :length] if v is not None else None for v in self.values]
-
 
 class DFlashAttention(nn.Module):
     """Block queries attend to [context ; block] keys; the same projections serve both."""
@@ -312,22 +307,6 @@ class DFlashDrafter(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-    def forward_flops(self, block_tokens: int, context_tokens: int, mean_visible: float) -> float:
-        """Analytic forward FLOPs (2 per multiply-add) of one training forward.
-
-        block tokens pay q/k/v/o + MLP projections and attention over ``mean_visible`` context
-        keys plus their own block; context tokens pay fc and the k/v projections once.
-        Backward is conventionally 2x forward.
-        """
-        c = self.config
-        d, hd, h, kv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        per_block_tok = c.num_hidden_layers * (
-            2 * (2 * d * h * hd + 2 * d * kv * hd + 3 * d * c.intermediate_size)
-            + 4 * h * hd * (mean_visible + c.block_size)
-        )
-        per_ctx_tok = 2 * self.fc.in_features * d + c.num_hidden_layers * 2 * (2 * d * kv * hd)
-        return block_tokens * per_block_tok + context_tokens * per_ctx_tok
 
 
 def _common_dtype(state: dict[str, Tensor]) -> torch.dtype:

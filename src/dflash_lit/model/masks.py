@@ -62,8 +62,3 @@ def build_mask(layout: BlockLayout, backend: str, compile: bool = False):
         return flex_block_mask(layout, compile=compile)
     raise ValueError(f"attention backend {backend!r} unknown: use 'dense' or 'flex'")
 
-
-def mask_density(layout: BlockLayout) -> float:
-    """Share of (query, key) pairs that are visible: the useful work of a dense mask."""
-    m = dense_mask(layout)
-    return float(m.float().mean())

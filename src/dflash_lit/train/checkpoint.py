@@ -7,10 +7,7 @@ plus persistent metric states), optimizer/scheduler/loop/callback/datamodule sta
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
-
-import torch
 
 # Config fields whose change makes old weights or optimizer moments meaningless.
 _SHAPE_FIELDS = (
@@ -48,13 +45,3 @@ def check_checkpoint_matches(ckpt: dict[str, Any], current: dict[str, Any], sour
                 "checkpoint was trained against another target"
             )
 
-
-def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
-    """torch.load a checkpoint with a one-line error for missing or corrupt files."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"checkpoint {p} does not exist")
-    try:
-        return torch.load(p, map_location="cpu", weights_only=False)
-    except Exception as e:  # truncated zip, wrong format, ...
-        raise ValueError(f"checkpoint {p} is unreadable ({type(e).__name__}: {e})") from None

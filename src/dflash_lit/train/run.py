@@ -19,7 +19,7 @@ from dflash_lit.train.build import (
     capture_layer_ids,
     target_info,
 )
-from dflash_lit.train.checkpoint import check_checkpoint_matches, load_checkpoint_file
+from dflash_lit.train.checkpoint import check_checkpoint_matches
 from dflash_lit.train.checkpoint_io import AtomicCheckpointIO
 from dflash_lit.train.module import DFlashModule
 from dflash_lit.train.resume import resolve_ckpt_path
@@ -94,7 +94,8 @@ def train(cfg: DictConfig) -> float | None:
         target_info=info,
     )
     if ckpt is not None:  # fail before training on a checkpoint from another setup
-        check_checkpoint_matches(load_checkpoint_file(ckpt), module.checkpoint_meta(), str(ckpt))
+        meta = AtomicCheckpointIO().load_checkpoint(ckpt)
+        check_checkpoint_matches(meta, module.checkpoint_meta(), str(ckpt))
         print(f"resuming from {ckpt}", flush=True)
 
     # 3. Trainer, loggers, callbacks; the resolved config is saved next to the run.
