@@ -37,11 +37,12 @@ def random_setup(seed: int, b=3, s=40, bs=4, d=32, k=2, max_anchors=6):
     return drafter, embed, th, layout, ids, loss_mask, attn
 
 
+@pytest.mark.parametrize("backend", ["dense", "blockwise"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_dense_batched_equals_reference(seed):
+def test_batched_equals_reference(seed, backend):
     drafter, embed, th, layout, *_ = random_setup(seed)
     with torch.no_grad():
-        got = draft_hidden(drafter, embed, th, layout, backend="dense")
+        got = draft_hidden(drafter, embed, th, layout, backend=backend)
         ref = reference_draft_hidden(drafter, embed, th, layout)
     v = layout.valid
     assert v.sum() > 6  # the test covers several blocks, some rows with padding blocks
@@ -60,6 +61,33 @@ def test_flex_equals_dense_and_reference(seed):
     v = layout.valid
     torch.testing.assert_close(flex[v], dense[v], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(flex[v], ref[v], atol=2e-5, rtol=1e-4)
+
+
+def test_blockwise_gradients_equal_dense():
+    """The CPU training path: same loss gradients as the dense mask, for every parameter."""
+    drafter, embed, th, layout, *_ = random_setup(4)
+    drafter.train()
+    th = th.requires_grad_(True)
+    grads = {}
+    for backend in ("dense", "blockwise"):
+        drafter.zero_grad()
+        th.grad = None
+        h = draft_hidden(drafter, embed, th, layout, backend=backend)
+        (h[layout.valid] ** 2).mean().backward()
+        grads[backend] = [p.grad.clone() for p in drafter.parameters()] + [th.grad.clone()]
+    assert len(grads["dense"]) > 10
+    for gd, gb in zip(grads["dense"], grads["blockwise"], strict=True):
+        torch.testing.assert_close(gb, gd, atol=1e-5, rtol=1e-4)
+
+
+def test_blockwise_memory_is_linear_in_blocks():
+    """The factored mask stores Q·S booleans, the dense one Q·(S+Q)."""
+    from dflash_lit.model.masks import blockwise_mask
+    *_, layout, _, _, _ = random_setup(0, max_anchors=20)
+    dense, bw = dense_mask(layout), blockwise_mask(layout)
+    q = layout.num_blocks * layout.block_size
+    assert dense.numel() == bw.context.numel() * (layout.context_len + q) // layout.context_len
+    assert torch.equal(dense[..., : layout.context_len], bw.context)
 
 
 def test_block_never_sees_context_at_or_after_anchor():

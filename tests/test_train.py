@@ -175,3 +175,46 @@ def test_cli_multirun_and_unknown_key(tmp_path, data):
     assert not any(p.name not in ("outputs",) for p in tmp_path.iterdir())  # nothing else written
     r = _cli([*ov, "trainer.no_such_key=1"], tmp_path)
     assert r.returncode != 0 and "no_such_key" in r.stderr
+
+
+def test_hybrid_gated_deltanet_target_trains(tmp_path, data):
+    """The Qwen3.5-style hybrid path (Gated DeltaNet + full attention, torch fallback on CPU)
+    trains end to end: finite losses every step and a checkpoint that records the hybrid target."""
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + ["target=random_hybrid", "trainer.max_steps=3"]
+    run_train(ov, tmp_path / "run")
+    rows = [r for r in _metrics(tmp_path / "run") if r.get("train/main/loss")]
+    assert len(rows) == 3 and all(0 < float(r["train/main/loss"]) < 20 for r in rows)
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    meta = torch.load(ckpt, map_location="cpu", weights_only=False)["dflash"]
+    assert meta["target"]["model_type"].startswith("qwen3_5")
+
+
+def test_anchor_scale_of_the_tiny_budget(tmp_path, data):
+    """budget=tiny scales every drafter's recipe anchors by 1/16 (v4: 1024 -> 64); full keeps them."""
+    from train_utils import compose_train
+
+    from dflash_lit.train.build import build_specs, target_info
+
+    ov = [o for o in base_overrides(tmp_path, *data) if not o.startswith(("budget=", "schedule."))]
+    for budget, want in (("tiny", 64), ("full", 1024)):
+        cfg = compose_train(ov + ["experiment=v4_5layer", f"budget={budget}"], tmp_path / budget)
+        specs = build_specs(cfg, target_info(cfg.target))
+        assert specs[0].anchors.max == want
+
+
+def test_epoch_padding_efficiency_is_logged_and_matches_the_batches(tmp_path, data):
+    """perf/epoch_padding_eff (the sampler's plan for the epoch) equals the cumulative real /
+    padded tokens the throughput monitor counted over that epoch's actual batches."""
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + [
+        "trainer.max_epochs=1", "trainer.limit_val_batches=0",
+        "+callbacks.throughput._target_=dflash_lit.train.callbacks.ThroughputMonitor",
+    ]
+    run_train(ov, tmp_path / "run")
+    rows = [r for r in _metrics(tmp_path / "run") if r.get("perf/epoch_padding_eff")]
+    assert len(rows) > 3
+    planned = {float(r["perf/epoch_padding_eff"]) for r in rows}
+    assert len(planned) == 1 and 0.5 < planned.pop() <= 1.0
+    last = rows[-1]
+    assert float(last["perf/padding_eff"]) == pytest.approx(float(last["perf/epoch_padding_eff"]))

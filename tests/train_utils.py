@@ -38,6 +38,7 @@ def make_shards(out: Path, n: int = 24, vocab: int = 128, seed: int = 0, lo: int
 def base_overrides(tmp: Path, data: Path, val: Path | None = None) -> list[str]:
     ov = [
         "target=random_qwen3",
+        "budget=full",  # recipe anchor counts as written (no tiny-data scaling)
         f"data.path={data}",
         f"data.val_path={val}" if val else "data.val_path=null",
         "data.max_length=128",

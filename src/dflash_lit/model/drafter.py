@@ -15,13 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_lit.model.attention import attend
 from dflash_lit.model.config import DFlashConfig
 
-try:  # flex_attention is the GPU training path; CPU can run its forward only.
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # pragma: no cover - very old torch
-    BlockMask = None  # type: ignore[assignment,misc]
-    flex_attention = None  # type: ignore[assignment]
+# A mask is a dense bool tensor, a flex BlockMask or a masks.BlockwiseMask (see attention.py).
+AttnMask = object
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -109,7 +107,7 @@ class DFlashAttention(nn.Module):
         ctx: Tensor,
         cos: Tensor,
         sin: Tensor,
-        attn_mask: Tensor | BlockMask | None,
+        attn_mask: AttnMask | None,
         cache: DrafterCache | None = None,
         layer_idx: int = 0,
     ) -> Tensor:
@@ -133,12 +131,7 @@ class DFlashAttention(nn.Module):
             cache.keys[layer_idx], cache.values[layer_idx] = k_ctx, v_ctx
             k = torch.cat([k_ctx, k[:, :, c_len:]], dim=2)
             v = torch.cat([v_ctx, v[:, :, c_len:]], dim=2)
-        if BlockMask is not None and isinstance(attn_mask, BlockMask):
-            out = flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=self.n_kv != self.n_heads)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, enable_gqa=self.n_kv != self.n_heads
-            )
+        out = attend(q, k, v, attn_mask)
         out = out.transpose(1, 2).reshape(b, q_len, self.n_heads * self.head_dim)
         return self.o_proj(out)
 
@@ -180,7 +173,7 @@ class DFlashDrafter(nn.Module):
     training noise is added); ``position_ids`` holds the absolute positions of the c context
     tokens followed by those of the q block tokens. Without ``attention_mask`` every block
     query sees all c context keys and all q block keys. For batched training pass a dense
-    boolean mask [B, 1, q, c+q] (True = attend) or a flex ``BlockMask``. Returns the
+    boolean mask [B, 1, q, c+q] (True = attend), a flex ``BlockMask`` or a ``BlockwiseMask``. Returns the
     final-normed hidden states [B, q, d]; apply the target's ``lm_head`` for logits.
     """
 
@@ -218,7 +211,7 @@ class DFlashDrafter(nn.Module):
         noise_embedding: Tensor,
         target_hidden: Tensor,
         position_ids: Tensor,
-        attention_mask: Tensor | BlockMask | None = None,
+        attention_mask: AttnMask | None = None,
         cache: DrafterCache | None = None,
     ) -> Tensor:
         if noise_embedding.shape[-1] != self.config.hidden_size:

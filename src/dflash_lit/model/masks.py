@@ -8,6 +8,8 @@ query row is fully masked (SDPA would return NaN for it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -26,6 +28,30 @@ def dense_mask(layout: BlockLayout) -> Tensor:
     qb = torch.arange(q, device=dev) // bs
     blk = (qb[:, None] == qb[None, :]).expand(b, q, q)
     return torch.cat([ctx, blk], dim=2)[:, None]
+
+
+@dataclass
+class BlockwiseMask:
+    """The layout's visibility in factored form for ``attention.blockwise_attention``.
+
+    ``context`` [B, 1, Q, S] says which context keys each query sees; every query also sees
+    all Bs keys of its own block (and no other block), so that part needs no tensor.
+    """
+
+    context: Tensor
+    block_size: int
+
+    @property
+    def context_len(self) -> int:
+        return self.context.shape[-1]
+
+
+def blockwise_mask(layout: BlockLayout) -> BlockwiseMask:
+    """Factored mask: O(Q·S) memory instead of the dense O(Q·(S+Q)). Trains on CPU."""
+    s = layout.context_len
+    kv_pos = torch.arange(s, device=layout.anchors.device)
+    ctx = (kv_pos[None, None, :] < layout.query_anchor()[:, :, None]) & layout.context_valid[:, None, :]
+    return BlockwiseMask(context=ctx[:, None], block_size=layout.block_size)
 
 
 def flex_block_mask(layout: BlockLayout, compile: bool = False, block: int = 128):
@@ -55,10 +81,13 @@ def flex_block_mask(layout: BlockLayout, compile: bool = False, block: int = 128
 
 
 def build_mask(layout: BlockLayout, backend: str, compile: bool = False):
-    """``backend``: ``dense`` (SDPA, any device, trains on CPU) or ``flex`` (GPU training)."""
+    """``backend``: ``blockwise`` (factored, trains on CPU), ``dense`` (bool mask + SDPA, any
+    device) or ``flex`` (block-sparse, GPU training)."""
+    if backend == "blockwise":
+        return blockwise_mask(layout)
     if backend == "dense":
         return dense_mask(layout)
     if backend == "flex":
         return flex_block_mask(layout, compile=compile)
-    raise ValueError(f"attention backend {backend!r} unknown: use 'dense' or 'flex'")
+    raise ValueError(f"attention backend {backend!r} unknown: use 'blockwise', 'dense' or 'flex'")
 

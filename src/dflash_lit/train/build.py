@@ -141,12 +141,26 @@ def build_specs(cfg: DictConfig, info: dict[str, Any]) -> list[DrafterSpec]:
             DrafterSpec(
                 name=str(name), model=model, loss=loss,
                 noise=NoiseSpec(**sched.get("noise", {})),
-                anchors=AnchorSpec(**sched.get("anchors", {})),
+                anchors=_scaled_anchors(sched.get("anchors", {}), float(cfg.get("anchor_scale", 1.0))),
                 lr=float(opt["lr"]), weight_decay=float(opt.get("weight_decay", 0.0)),
                 grad_clip=float(opt.get("grad_clip", 1.0)),
             )
         )
     return specs
+
+
+def _scaled_anchors(anchors: dict[str, Any], scale: float) -> AnchorSpec:
+    """Anchors per sequence times ``anchor_scale`` (conf/budget/): recipes count anchors for
+    ~3k-token sequences; shorter data keeps the same anchor density with fewer."""
+    if not 0 < scale <= 1:
+        raise ValueError(f"anchor_scale={scale}: must be in (0, 1] (conf/budget/)")
+    spec = AnchorSpec(**anchors)
+    if scale == 1.0:
+        return spec
+    spec.max = max(1, round(spec.max * scale))
+    if spec.start is not None:
+        spec.start = max(1, round(spec.start * scale))
+    return spec
 
 
 def capture_layer_ids(specs: list[DrafterSpec]) -> list[int]:

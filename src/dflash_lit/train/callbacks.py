@@ -32,7 +32,8 @@ class ThroughputMonitor(Callback):
     """Logs target tokens/s, drafter block tokens/s and padding efficiency.
 
     Rates are smoothed with an EMA over steps; padding efficiency is cumulative over the run
-    (real tokens / padded tokens), the number the bucketing sampler is judged by.
+    (real tokens / padded tokens), the number the bucketing sampler is judged by, and
+    ``perf/epoch_padding_eff`` is the current epoch's planned figure from the datamodule.
     """
 
     def __init__(self, ema: float = 0.9) -> None:
@@ -42,6 +43,15 @@ class ThroughputMonitor(Callback):
         self.block_tok_s = 0.0
         self.real = 0.0
         self.padded = 0.0
+        self.epoch_padding_eff: float | None = None
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        # the sampler's planned batches for this epoch (all ranks): known before any step
+        dm = getattr(trainer, "datamodule", None)
+        try:
+            self.epoch_padding_eff = float(dm.padding_efficiency) if dm is not None else None
+        except (AttributeError, TypeError):
+            self.epoch_padding_eff = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._t0 = time.perf_counter()
@@ -59,16 +69,15 @@ class ThroughputMonitor(Callback):
         self.block_tok_s = blk if first else self.ema * self.block_tok_s + (1 - self.ema) * blk
         self.real += st["target_tokens"]
         self.padded += st["padded_tokens"]
-        pl_module.log_dict(
-            {
-                "perf/target_tok_s": self.tok_s,
-                "perf/block_tok_s": self.block_tok_s,
-                "perf/padding_eff": self.real / max(self.padded, 1.0),
-                "perf/step_s": dt,
-            },
-            on_step=True,
-            on_epoch=False,
-        )
+        vals = {
+            "perf/target_tok_s": self.tok_s,
+            "perf/block_tok_s": self.block_tok_s,
+            "perf/padding_eff": self.real / max(self.padded, 1.0),
+            "perf/step_s": dt,
+        }
+        if self.epoch_padding_eff is not None:
+            vals["perf/epoch_padding_eff"] = self.epoch_padding_eff
+        pl_module.log_dict(vals, on_step=True, on_epoch=False)
 
 
 class StatusLine(Callback):

@@ -48,7 +48,7 @@ class DFlashModule(L.LightningModule):
         min_lr_ratio: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
-        attention: str = "dense",
+        attention: str = "blockwise",
         compile_mask: bool = False,
         seed: int = 0,
         val_max_anchors: int = 256,
@@ -94,6 +94,7 @@ class DFlashModule(L.LightningModule):
         )
         # Non-finite bookkeeping is saved in checkpoints (on_save_checkpoint).
         self.nonfinite_total = 0
+        self.tokens_seen = 0  # real target tokens trained on (the x-axis for run comparisons)
         self.nonfinite_in_row = 0
         self.last_batch_stats: dict[str, float] = {}
         self.current_noise = {n: 0.0 for n in names}
@@ -228,6 +229,10 @@ class DFlashModule(L.LightningModule):
                 self.log("loss", lo.loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
         self.log("train/loss_total", total.detach(), on_step=True, on_epoch=False)
         self.log("train/padding_eff", real / max(am.numel(), 1), on_step=True, on_epoch=False)
+        self.tokens_seen += int(real) * self.trainer.world_size  # equal-count shards per rank
+        # per-batch context for log analysis: does high loss go with long sequences?
+        self.log("train/seq_len", real / max(am.shape[0], 1), on_step=True, on_epoch=False)
+        self.log("train/tokens_seen", float(self.tokens_seen), on_step=True, on_epoch=False)
         return total
 
     def _skip_nonfinite(self, step: int):
@@ -304,6 +309,7 @@ class DFlashModule(L.LightningModule):
                          for n, s in self.specs.items()},
             "target": dict(self.target_info),
             "nonfinite_total": self.nonfinite_total,
+            "tokens_seen": self.tokens_seen,
             "nonfinite_in_row": self.nonfinite_in_row,
         }
 
@@ -316,6 +322,7 @@ class DFlashModule(L.LightningModule):
         check_checkpoint_matches(checkpoint, self.checkpoint_meta(), source="checkpoint")
         meta = checkpoint["dflash"]
         self.nonfinite_total = int(meta.get("nonfinite_total", 0))
+        self.tokens_seen = int(meta.get("tokens_seen", 0))
         self.nonfinite_in_row = int(meta.get("nonfinite_in_row", 0))
 
 

@@ -56,15 +56,12 @@ def total_training_steps(cfg: DictConfig, dm) -> int:
     return max(1, epochs * math.ceil(per_epoch / accum))
 
 
-def train(cfg: DictConfig) -> float | None:
-    """Run one training job; returns ``cfg.monitor`` at the end (for Hydra sweepers)."""
-    hc = HydraConfig.get()
-    run_dir = Path(cfg.paths.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_root = Path(cfg.paths.log_dir) / cfg.run_name
-    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int]:
+    """Validated data + models of a run: (module, datamodule set up for fit, total steps).
 
-    # 1. Cheap checks first: target config (no weights), drafter specs, data, checkpoint.
+    Cheap checks come first (target config without weights, drafter specs, data) so bad input
+    fails before any weights load. Shared by ``train`` and the bench/ scripts.
+    """
     info = target_info(cfg.target)
     specs = build_specs(cfg, info)
     max_bs = max(s.model.block_size for s in specs)
@@ -73,9 +70,6 @@ def train(cfg: DictConfig) -> float | None:
     )
     dm.setup("fit")
     total = total_training_steps(cfg, dm)
-    ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), run_root, list(hc.overrides.task), run_dir)
-
-    # 2. Models.
     target = build_target(cfg.target, capture_layer_ids(specs))
     module = DFlashModule(
         target=target,
@@ -85,7 +79,7 @@ def train(cfg: DictConfig) -> float | None:
         min_lr_ratio=float(cfg.optim.min_lr_ratio),
         betas=tuple(cfg.optim.betas),
         eps=float(cfg.optim.eps),
-        attention=_auto(cfg.attention, "flex", "dense"),
+        attention=_auto(cfg.attention, "flex", "blockwise"),
         compile_mask=bool(_auto(cfg.compile_mask, True, False)),
         seed=int(cfg.seed),
         val_max_anchors=int(cfg.val_max_anchors),
@@ -93,12 +87,26 @@ def train(cfg: DictConfig) -> float | None:
         max_nonfinite_in_row=int(cfg.max_nonfinite_in_row),
         target_info=info,
     )
+    return module, dm, total
+
+
+def train(cfg: DictConfig) -> float | None:
+    """Run one training job; returns ``cfg.monitor`` at the end (for Hydra sweepers)."""
+    hc = HydraConfig.get()
+    run_dir = Path(cfg.paths.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_root = Path(cfg.paths.log_dir) / cfg.run_name
+    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+
+    # 1. The checkpoint to resume (a bad path fails at once), then data and models.
+    ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), run_root, list(hc.overrides.task), run_dir)
+    module, dm, total = build_run(cfg)
     if ckpt is not None:  # fail before training on a checkpoint from another setup
         meta = AtomicCheckpointIO().load_checkpoint(ckpt)
         check_checkpoint_matches(meta, module.checkpoint_meta(), str(ckpt))
         print(f"resuming from {ckpt}", flush=True)
 
-    # 3. Trainer, loggers, callbacks; the resolved config is saved next to the run.
+    # 2. Trainer, loggers, callbacks; the resolved config is saved next to the run.
     loggers = build_loggers(cfg.get("logger"), run_dir, ckpt.parent.parent if ckpt else None)
     callbacks = build_callbacks(cfg.get("callbacks"))
     # Atomic checkpoint writes always; config plugins (e.g. SLURMEnvironment) come on top.

@@ -1,0 +1,124 @@
+"""Shared bench helpers: machine info, matmul peak, timing, config composition, result files.
+
+Every bench script measures this machine's matmul peak in the same run and reports its
+figures as ratios (to a baseline measured alongside, and to that peak): shared machines are
+noisy, absolute seconds are not comparable across runs.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, threads and library versions: the header of every result file."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+
+
+def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5,
+                device: str = "cpu") -> float:
+    """Achieved GFLOP/s of an n×n @ n×n matmul (2n³ FLOPs), median of ``repeats``."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    t = median_time(lambda: a @ b, repeats=repeats, warmup=2)
+    return 2 * n**3 / t / 1e9
+
+
+def peaks(n: int = 2048) -> dict[str, float]:
+    """fp32 and bf16 matmul peaks (GFLOP/s) of this machine, measured now."""
+    return {"fp32_gflops": matmul_peak(torch.float32, n), "bf16_gflops": matmul_peak(torch.bfloat16, n)}
+
+
+def compose_train(overrides: Sequence[str]):
+    """The resolved train.py config for ``overrides`` (Hydra compose; no run directory)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import dflash_lit.resolvers  # noqa: F401  (${repo_root:})
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(RESULTS / "_scratch")
+        del cfg["hydra"]
+    return cfg
+
+
+def fmt_table(rows: list[dict[str, Any]], cols: Sequence[str] | None = None) -> str:
+    """A markdown table of ``rows`` (floats to 4 significant digits)."""
+    if not rows:
+        return "(no rows)"
+    cols = list(cols or rows[0].keys())
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_result(name: str, payload: dict[str, Any], table: str) -> Path:
+    """Print ``table`` and write ``bench/results/<name>.json`` (+ ``.md`` with the table)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine_info(), **payload}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    md = f"<!-- {payload['machine']['date']} · {payload['machine']['cpu']} · " \
+         f"{payload['machine']['command']} -->\n{table}\n"
+    (RESULTS / f"{name}.md").write_text(md)
+    print(table)
+    print(f"\nwrote {path}")
+    return path
