@@ -29,21 +29,35 @@ def checkpoint_dir(trainer) -> Path:
 
 
 class FinalCheckpoint(Callback):
-    """Write ``last.ckpt`` when training ends at a step no checkpoint was saved at.
+    """Write ``last.ckpt`` at the run's final step when no cadence checkpoint falls on it.
 
-    Lightning saves on its cadences only (every N steps / epochs), so a run stopped by
-    ``max_steps`` between them would leave ``last.ckpt`` behind its final weights.
+    Lightning saves on its cadences only (every N steps / epochs), so a run ending by
+    ``max_steps`` or ``max_epochs`` between them would leave ``last.ckpt`` behind its final
+    weights. The save happens at the last step boundary (``on_train_batch_end``, where
+    ModelCheckpoint saves too), never after the loop has stopped, so resuming it with a
+    larger budget continues exactly.
     """
 
     def __init__(self, filename: str = "last.ckpt") -> None:
         self.filename = filename
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.fast_dev_run or trainer.sanity_checking:
-            return
-        saved = {getattr(c, "_last_global_step_saved", -1) for c in trainer.callbacks
-                 if isinstance(c, ModelCheckpoint)}
-        if trainer.global_step in saved or trainer.global_step == 0:
+    @staticmethod
+    def _final_step(trainer) -> bool:
+        if 0 < trainer.max_steps <= trainer.global_step:
+            return True
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
+        return bool(trainer.is_last_batch) and trainer.current_epoch + 1 >= max_epochs > 0
+
+    @staticmethod
+    def _cadence_saves(trainer) -> bool:
+        for c in trainer.callbacks:
+            n = getattr(c, "_every_n_train_steps", 0) if isinstance(c, ModelCheckpoint) else 0
+            if n and trainer.global_step % n == 0 and c.save_last:
+                return True
+        return False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.fast_dev_run or not self._final_step(trainer) or self._cadence_saves(trainer):
             return
         path = checkpoint_dir(trainer) / self.filename
         trainer.save_checkpoint(str(path))

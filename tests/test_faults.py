@@ -1,0 +1,149 @@
+"""Fault injection for real: signals to a training subprocess, SIGKILL during a checkpoint
+write, truncated checkpoints on disk. Every fault must leave a run that resumes exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from train_utils import REPO, base_overrides, drafter_state, make_shards
+
+STEPS = 24  # total optimizer steps of every run here (several epochs of the 40-row data)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults_data")
+    return make_shards(root / "train", n=40), make_shards(root / "val", n=6, seed=1)
+
+
+def _overrides(tmp: Path, data, *extra: str) -> list[str]:
+    return base_overrides(tmp, *data) + [f"trainer.max_steps={STEPS}", "trainer.limit_val_batches=0",
+                                         *extra]
+
+
+def _popen(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _run(args: list[str], cwd: Path, timeout: float = 300) -> tuple[int, str]:
+    p = _popen(args, cwd)
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out
+
+
+def _run_dirs(tmp: Path) -> list[Path]:
+    return sorted(p.parent for p in (tmp / "outputs").glob("*/*/.hydra"))
+
+
+def _wait_for_line(p: subprocess.Popen, needle: str, timeout: float = 240) -> list[str]:
+    lines, t0 = [], time.time()
+    while time.time() - t0 < timeout:
+        line = p.stdout.readline()
+        if not line and p.poll() is not None:
+            break
+        lines.append(line)
+        if needle in line:
+            return lines
+    p.kill()
+    raise AssertionError(f"{needle!r} never printed:\n{''.join(lines[-30:])}")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data):
+    """The reference: STEPS steps without interruption (a subprocess, like every run here)."""
+    tmp = tmp_path_factory.mktemp("straight")
+    rc, out = _run(_overrides(tmp, data), tmp)
+    assert rc == 0, out[-3000:]
+    (run,) = _run_dirs(tmp)
+    return drafter_state(run / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path, data, straight, sig):
+    ov = _overrides(tmp_path, data)
+    p = _popen(ov, tmp_path)
+    _wait_for_line(p, "step=5 ")
+    p.send_signal(getattr(signal, sig))
+    out, _ = p.communicate(timeout=240)
+    assert p.returncode == 0, out[-3000:]  # a clean exit, not a crash
+    assert f"{sig} received: saved" in out
+    (run,) = _run_dirs(tmp_path)
+    ck = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert 5 <= ck["global_step"] < STEPS  # stopped early, at a step boundary
+    rc, out = _run(ov + ["ckpt_path=last"], tmp_path)  # the SLURM requeue / user restart
+    assert rc == 0, out[-3000:]
+    resumed = max(_run_dirs(tmp_path), key=lambda d: d.name)
+    assert (resumed / "resumed_from.txt").read_text().strip().endswith("last.ckpt")
+    got = drafter_state(resumed / "checkpoints" / "last.ckpt")
+    assert got.keys() == straight.keys()
+    for k in got:
+        assert torch.equal(got[k], straight[k]), k
+
+
+def test_sigkill_during_checkpoint_write_leaves_loadable_checkpoints(tmp_path, data, straight):
+    """Checkpoint every step, SIGKILL the trainer while a temporary checkpoint file is being
+    written: every *.ckpt on disk still loads, the tmp file is never taken for `last`, and
+    ckpt_path=last resumes to the same weights as the uninterrupted run."""
+    ov = _overrides(tmp_path, data, "callbacks.model_checkpoint.every_n_train_steps=1")
+    p = _popen(ov, tmp_path)
+    _wait_for_line(p, "step=4 ")
+    ckdir = None
+    t0 = time.time()
+    while time.time() - t0 < 120 and p.poll() is None:
+        dirs = _run_dirs(tmp_path)
+        ckdir = dirs[0] / "checkpoints" if dirs else None
+        if ckdir and ckdir.is_dir() and any(ckdir.glob(".*.tmp-*")):
+            os.kill(p.pid, signal.SIGKILL)  # mid-write: the temporary file exists right now
+            break
+        time.sleep(0.0005)
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL, "the run ended before a write could be interrupted"
+    assert any(ckdir.glob(".*.tmp-*"))  # the half-written file is there ...
+    finished = sorted(ckdir.glob("*.ckpt"))
+    assert any(f.name == "last.ckpt" for f in finished)
+    for f in finished:  # ... but every real checkpoint name holds a complete checkpoint
+        torch.load(f, map_location="cpu", weights_only=False)
+    rc, out = _run(ov + ["ckpt_path=last"], tmp_path)
+    assert rc == 0, out[-3000:]
+    resumed = max(_run_dirs(tmp_path), key=lambda d: d.name)
+    got = drafter_state(resumed / "checkpoints" / "last.ckpt")
+    for k in got:
+        assert torch.equal(got[k], straight[k]), k
+
+
+def test_truncated_checkpoint_fails_before_training_with_one_line(tmp_path, data):
+    ov = base_overrides(tmp_path, *data) + ["trainer.max_steps=2"]
+    rc, out = _run(ov, tmp_path)
+    assert rc == 0, out[-3000:]
+    (run,) = _run_dirs(tmp_path)
+    good = run / "checkpoints" / "last.ckpt"
+    bad = tmp_path / "truncated.ckpt"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    rc, out = _run(ov + [f"ckpt_path={bad}"], tmp_path)
+    assert rc != 0
+    assert f"checkpoint {bad} is corrupt or truncated" in out
+    assert "step=" not in out  # failed before any training step
+    rc, out = _run(ov + [f"ckpt_path={tmp_path}/missing.ckpt"], tmp_path)
+    assert rc != 0 and "missing.ckpt" in out and "step=" not in out
+
+
+def test_checkpoint_from_another_target_is_refused(tmp_path, data):
+    ov = base_overrides(tmp_path, *data) + ["trainer.max_steps=2"]
+    rc, out = _run(ov, tmp_path)
+    assert rc == 0, out[-3000:]
+    (run,) = _run_dirs(tmp_path)
+    ck = run / "checkpoints" / "last.ckpt"
+    rc, out = _run(ov + ["target.build.num_layers=10", f"ckpt_path={ck}"], tmp_path)
+    assert rc != 0 and "step=" not in out
+    # the drafter's context layers follow the target's depth: the first field that differs
+    assert f"{ck}: drafter 'main' has target_layer_ids=[1, 2, 3, 4, 5] in the checkpoint but " \
+           "[1, 3, 4, 6, 7] in the config" in out
