@@ -24,7 +24,7 @@ RUNS = {"v3_composite": ["main"], "v4_5layer": ["main"], "v5_hardce": ["main"],
 
 
 def newest_run(name: str) -> Path:
-    runs = sorted((REPO / "outputs" / name).glob("*/checkpoints/last.ckpt"))
+    runs = sorted((REPO / "outputs" / name).glob("20*/checkpoints/last.ckpt"))  # not multirun_*
     if not runs:
         raise SystemExit(f"no finished run under outputs/{name}/")
     return runs[-1].parent.parent

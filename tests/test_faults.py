@@ -147,3 +147,66 @@ def test_checkpoint_from_another_target_is_refused(tmp_path, data):
     # the drafter's context layers follow the target's depth: the first field that differs
     assert f"{ck}: drafter 'main' has target_layer_ids=[1, 2, 3, 4, 5] in the checkpoint but " \
            "[1, 3, 4, 6, 7] in the config" in out
+
+
+def _limit_file_size(max_bytes: int):
+    """preexec_fn: files may not grow past ``max_bytes`` (EFBIG, like a full disk/quota)."""
+    import resource
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get the OSError, not a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+    return apply
+
+
+def test_checkpoint_write_failure_is_clear_and_keeps_earlier_checkpoints(tmp_path, data):
+    ov = base_overrides(tmp_path, *data) + ["trainer.max_steps=4", "trainer.limit_val_batches=0"]
+    rc, out = _run(ov, tmp_path)
+    assert rc == 0, out[-3000:]
+    (run,) = _run_dirs(tmp_path)
+    last = run / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    # resume with a file-size limit below one checkpoint: the next save must fail cleanly
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(REPO / "train.py"), *ov, "trainer.max_steps=6",
+                        f"ckpt_path={last}"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300, preexec_fn=_limit_file_size(len(before) // 2))
+    assert p.returncode != 0
+    err = p.stdout + p.stderr
+    assert "could not write checkpoint" in err and "File too large" in err, err[-3000:]
+    assert "the previous checkpoints in that directory are intact" in err
+    resumed = max(_run_dirs(tmp_path), key=lambda d: d.name)
+    assert not list((resumed / "checkpoints").glob(".*.tmp-*"))  # no temporary left behind
+    assert last.read_bytes() == before  # the earlier run's checkpoint is untouched
+    torch.load(last, map_location="cpu", weights_only=False)
+
+
+def test_shard_write_failure_keeps_finished_shards_and_rerun_completes(tmp_path):
+    """write_shards under a file-size limit: the small first shard lands, a large one fails
+    with a clear error, nothing half-written remains; a rerun without the limit completes."""
+    script = """
+import sys, numpy as np
+from dflash_lit.data.shards import write_shards
+rng = np.random.default_rng(0)
+rows = [{"id": f"r{i}", "source": "s", "input_ids": rng.integers(4, 4000, n).tolist(),
+         "loss_mask": [0] * 4 + [1] * (n - 4)}
+        for i, n in enumerate([48] * 8 + [3000] * 16)]
+write_shards(rows, sys.argv[1], rows_per_shard=8)
+"""
+    out = tmp_path / "shards"
+    p = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True,
+                       timeout=120, preexec_fn=_limit_file_size(16 * 1024))  # shard 0: ~3 KB, 1: ~50 KB
+    assert p.returncode != 0
+    assert "could not write shard" in p.stderr and "File too large" in p.stderr, p.stderr[-2000:]
+    assert not list(out.glob(".*.tmp*"))  # no half-written shard
+    from dflash_lit.data.shards import load_shards
+
+    landed = sorted(out.glob("*.parquet"))
+    assert [f.name for f in landed] == ["shard-00000.parquet"]
+    ds, _ = load_shards(landed[0], vocab_size=4096, min_completion_tokens=1)
+    assert len(ds) == 8
+    p = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ds, _ = load_shards(out, vocab_size=4096, min_completion_tokens=1)
+    assert len(ds) == 24

@@ -218,3 +218,11 @@ def test_epoch_padding_efficiency_is_logged_and_matches_the_batches(tmp_path, da
     assert len(planned) == 1 and 0.5 < planned.pop() <= 1.0
     last = rows[-1]
     assert float(last["perf/padding_eff"]) == pytest.approx(float(last["perf/epoch_padding_eff"]))
+
+
+def test_monitor_is_returned_even_when_training_ends_before_validation(tmp_path, data):
+    """Sweepers need the objective: a run shorter than an epoch validates its final weights."""
+    train, val = data
+    value, _ = run_train(base_overrides(tmp_path, train, val) + ["trainer.max_steps=2"],
+                         tmp_path / "run")
+    assert isinstance(value, float) and 0.0 <= value <= 7.0  # val/main/streak of Bs=8 blocks

@@ -82,11 +82,15 @@ def to_jsonable(obj):
 
 
 def resolve_final_step(run: Run, override: int | None = None) -> tuple[int, str]:
-    """Where training will end: --final-step, else trainer.max_steps (> 0), else
+    """Where training will end: --final-step, else the run's recorded ``total_steps``, else
+    trainer.max_steps (> 0), else
     trainer.max_epochs × steps per epoch (from the first logged epoch boundary), else
     the last step × 2."""
     if override:
         return int(override), "--final-step"
+    ts = cfg_get(run.config, "total_steps")  # what train.py sized the schedules with
+    if isinstance(ts, int) and ts > 0:
+        return ts, "total_steps (train.py's schedule length)"
     ms = cfg_get(run.config, "trainer.max_steps")
     try:
         if ms is not None and int(ms) > 0:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import dflash_lit.resolvers  # noqa: F401  (${repo_root:} in conf/paths)
+from dflash_lit.atomic import atomic_write
 from dflash_lit.data.backends import GenerationSettings, GenRequest, eos_token_ids, make_backend
 from dflash_lit.data.prompts import Prompt, PromptError, load_source, mix, parse_sources
 
@@ -104,30 +104,6 @@ class PromptRenderer:
 # -- shards ----------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, write) -> None:
-    """Write via ``write(fileobj)`` to ``.name.tmp``, fsync, rename: a kill leaves no partial file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 class ShardWriter:
     """Buffers rows and writes ``rows_per_shard``-row Parquet shards atomically.
 
@@ -141,7 +117,7 @@ class ShardWriter:
         self.out, self.rows_per_shard = Path(out), int(rows_per_shard)
         self.settings = json.loads(json.dumps(settings))
         self.out.mkdir(parents=True, exist_ok=True)
-        for tmp in self.out.glob(".*.tmp"):
+        for tmp in self.out.glob(".*.tmp*"):  # a killed run's half-written shard
             tmp.unlink()
         self.done_ids: set[str] = set()
         self.next_index = 0
@@ -183,7 +159,9 @@ class ShardWriter:
         schema = SCHEMA.with_metadata({META_KEY: json.dumps(self.settings).encode()})
         table = pa.Table.from_pylist(self._rows, schema=schema)
         path = self.out / f"shard-{self.next_index:05d}.parquet"
-        write_atomic(path, lambda f: pq.write_table(table, f))
+        atomic_write(path, lambda f: pq.write_table(table, f), what="shard",
+                     intact=f"the finished shards in {self.out} are intact and a rerun skips "
+                            "their ids")
         self.next_index += 1
         self.done_ids.update(r["id"] for r in self._rows)
         self._rows = []
@@ -474,5 +452,5 @@ def _summary(out, status, target, backend_name, sources, load_stats, mix_stats, 
         "summary_path": str(Path(out) / "summary.json"),
     }
     data = json.dumps(summary, indent=2).encode()
-    write_atomic(Path(out) / "summary.json", lambda f: f.write(data))
+    atomic_write(Path(out) / "summary.json", lambda f: f.write(data), what="summary")
     return summary

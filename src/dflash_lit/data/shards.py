@@ -24,6 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from dflash_lit.atomic import atomic_write
+
 log = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("id", "source", "input_ids", "loss_mask")
@@ -100,9 +102,7 @@ def write_shards(
         cols["id"] = [str(x) for x in cols["id"]]
         cols["source"] = [str(x) for x in cols["source"]]
         table = pa.table(cols, schema=_SCHEMA)
-        tmp = path.with_name(path.name + ".tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: pq.write_table(table, f), what="shard")
         paths.append(path)
         buf.clear()
 

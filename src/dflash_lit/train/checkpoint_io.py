@@ -15,26 +15,13 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from dflash_lit.atomic import atomic_write
+
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to ``path`` via tmp + fsync + rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_write(path, lambda f: torch.save(obj, f), what="checkpoint",
+                 intact="the previous checkpoints in that directory are intact")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -43,13 +30,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO does not take storage_options")
-        try:
-            atomic_torch_save(checkpoint, path)
-        except OSError as e:
-            raise OSError(
-                f"could not write checkpoint {path}: {e.strerror or e}; the previous "
-                "checkpoints in that directory are intact (free space or fix permissions)"
-            ) from e
+        atomic_torch_save(checkpoint, path)
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
         p = Path(path)

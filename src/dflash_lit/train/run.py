@@ -118,6 +118,7 @@ def train(cfg: DictConfig) -> float | None:
     )
     resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k])
                 else cfg[k] for k in cfg if k != "hydra"}
+    resolved["total_steps"] = total  # optimizer steps the LR/noise/anchor schedules span
     (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
     if ckpt is not None:
         (run_dir / "resumed_from.txt").write_text(f"{ckpt}\n")
@@ -129,6 +130,14 @@ def train(cfg: DictConfig) -> float | None:
 
     trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
     value = trainer.callback_metrics.get(cfg.monitor)
+    if value is None and str(cfg.monitor).startswith("val/") and not trainer.interrupted:
+        # the run ended before its first validation (e.g. max_steps < an epoch): sweepers
+        # still need the objective, so validate the final weights once
+        trainer.validate(module, datamodule=dm, verbose=False)
+        value = trainer.callback_metrics.get(cfg.monitor)
+    if value is None:
+        have = sorted(k for k in trainer.callback_metrics if "/" in k)
+        print(f"monitor={cfg.monitor!r} was never logged; logged metrics: {have[:20]}", flush=True)
     _finish_wandb(loggers)
     return float(value) if value is not None else None
 
