@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import Callback
 from omegaconf import open_dict
 
 import dflash_lit.resolvers  # noqa: F401
@@ -89,3 +92,29 @@ def run_train(overrides: list[str], run_dir: Path):
 def drafter_state(ckpt: Path) -> dict[str, torch.Tensor]:
     sd = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
     return {k: v for k, v in sd.items() if k.startswith("drafters.")}
+
+
+class RankRecorder(Callback):
+    """Test callback (loaded by config: ``+callbacks.rec._target_=train_utils.RankRecorder``):
+    per rank, records the (epoch, dataset row) pairs it trained on, a digest of its final
+    drafter weights and the synced validation metrics in ``<out>/rank<r>.json``; it can also
+    raise on one rank at one step (``fail_rank``, ``fail_step``) to test failure handling."""
+
+    def __init__(self, out: str, fail_rank: int = -1, fail_step: int = -1) -> None:
+        self.out, self.fail_rank, self.fail_step = out, fail_rank, fail_step
+        self.rows: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.fail_rank and trainer.global_step == self.fail_step:
+            raise RuntimeError(f"injected failure on rank {trainer.global_rank}")
+        self.rows += [[trainer.current_epoch, int(i)] for i in batch["index"].tolist()]
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        h = hashlib.sha256()
+        for k, v in sorted(pl_module.drafters.state_dict().items()):
+            h.update(k.encode())
+            h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        Path(self.out).mkdir(parents=True, exist_ok=True)
+        (Path(self.out) / f"rank{trainer.global_rank}.json").write_text(
+            json.dumps({"rows": self.rows, "digest": h.hexdigest(), "val": metrics}))
