@@ -76,7 +76,7 @@ def offline_streak(
         anchors = cands[start:start + chunk][None]
         valid = torch.ones_like(anchors, dtype=torch.bool)
         layout = build_layout(ids, loss_mask, anchors, valid, bs, drafter.config.mask_token_id)
-        h = draft_hidden(drafter, embed_fn, hidden, layout, backend="blockwise")
+        h = draft_hidden(drafter, embed_fn, hidden, layout, backend="dense")
         pred = head(h.to(device=head.weight.device, dtype=head.weight.dtype)).argmax(-1).cpu()
         labels = layout.labels.cpu()
         ok = (pred == labels)[0, :, 1:]  # [N, Bs-1]

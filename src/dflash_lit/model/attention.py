@@ -3,8 +3,11 @@
 The training layout's visibility is two-part: a block's queries see a prefix of the context
 and their own block only. ``blockwise_attention`` computes exactly that without the dense
 [Q, S+Q] score matrix: scores against the context [Q, S] plus per-block scores [N, Bs, Bs],
-softmaxed jointly. Memory and FLOPs drop from Q·(S+Q) to Q·(S+Bs) — the same saving the
-flex BlockMask gets on GPU, with an autograd backward on CPU.
+softmaxed jointly, so FLOPs drop from Q·(S+Q) to Q·(S+Bs) (the saving the flex BlockMask
+gets on GPU) with an autograd backward on CPU. Measured (bench/attention_layout.py): 1.35-2.4x
+faster than the dense mask with 512 anchors at 1-2k context, slower with few anchors, and it
+keeps its [Q, S] probabilities for backward, which torch's fused CPU SDPA does not: the dense
+path stays the CPU default and ``attention=blockwise`` is the option for many-anchor runs.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def draft_hidden(
     embed: Callable[[Tensor], Tensor],
     target_hidden: Tensor,
     layout: BlockLayout,
-    backend: str = "blockwise",
+    backend: str = "dense",
     compile_mask: bool = False,
 ) -> Tensor:
     """Final-normed drafter hidden states [B, N, Bs, d] for all blocks in one forward.

@@ -48,7 +48,7 @@ class DFlashModule(L.LightningModule):
         min_lr_ratio: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
-        attention: str = "blockwise",
+        attention: str = "dense",
         compile_mask: bool = False,
         seed: int = 0,
         val_max_anchors: int = 256,
