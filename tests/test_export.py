@@ -197,3 +197,43 @@ def test_cli_export_and_bad_prompt_set(setup, monkeypatch, capsys):
                        monkeypatch)
     assert code == 1
     assert "unknown prompt set 'mbpp'" in capsys.readouterr().err
+
+
+def test_real_train_checkpoint_evaluates_and_exports(tmp_path):
+    """train.py -> last.ckpt -> evaluate.py (lossless, τ reported) -> export.py -> evaluate the
+    exported directory: the same τ, all as subprocesses like a user runs them."""
+    import os
+    import subprocess
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from train_utils import base_overrides, make_shards
+
+    target = save_tiny(tiny_qwen3(vocab_size=128, hidden_size=64, num_layers=8, seed=0),
+                       tmp_path / "target")
+    data = make_shards(tmp_path / "train", n=24)
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+
+    def run(script: str, *args: str) -> subprocess.CompletedProcess:
+        p = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+        return p
+
+    run("train.py", *base_overrides(tmp_path, data), f"target.path={target}", "target.build=null",
+        "trainer.max_steps=6")
+    ckpt = next((tmp_path / "outputs").glob("*/*/checkpoints/last.ckpt"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": t}) + "\n"
+                               for i, t in enumerate(["def f(x):\n", "for i in range(3):\n"])))
+    common = ["prompts=jsonl", f"prompts_path={prompts}", "max_new_tokens=24", "budgets=[4]",
+              "progress=false", "warmup=false", "plot=false"]
+    run("evaluate.py", f"ckpt={ckpt}", *common, f"out={tmp_path / 'ev_ckpt'}")
+    run("export.py", f"ckpt={ckpt}", f"out={tmp_path / 'zlab'}")
+    run("evaluate.py", f"ckpt={tmp_path / 'zlab'}", f"target={target}", *common,
+        f"out={tmp_path / 'ev_dir'}")
+    a = json.loads((tmp_path / "ev_ckpt" / "report.json").read_text())
+    b = json.loads((tmp_path / "ev_dir" / "report.json").read_text())
+    assert a["lossless"] is True and b["lossless"] is True
+    assert 1.0 <= a["tau_chain"] <= 8.0 and a["tau_tree"]["4"] >= 1.0  # Bs = 8 in base_overrides
+    assert a["tau_chain"] == b["tau_chain"] and a["tau_tree"] == b["tau_tree"]
+    assert a["settings"]["max_new_tokens"] == 24 and a["num_prompts"] == 2 and a["block_size"] == 8
