@@ -226,3 +226,17 @@ def test_monitor_is_returned_even_when_training_ends_before_validation(tmp_path,
     value, _ = run_train(base_overrides(tmp_path, train, val) + ["trainer.max_steps=2"],
                          tmp_path / "run")
     assert isinstance(value, float) and 0.0 <= value <= 7.0  # val/main/streak of Bs=8 blocks
+
+
+def test_nonfinite_target_states_are_skipped_then_stop_the_run(tmp_path, data):
+    """A target whose weights overflow (initializer_range 1e30 -> inf/NaN hidden states): every
+    step is skipped and counted, and the run stops after max_nonfinite_in_row with the reason."""
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + [
+        "trainer.max_steps=20", "max_nonfinite_in_row=3", "+target.build.initializer_range=1e30"]
+    with pytest.raises(FloatingPointError, match=r"3 non-finite steps in a row .*max_nonfinite_in_row=3"):
+        run_train(ov, tmp_path / "run")
+    rows = [r for r in _metrics(tmp_path / "run") if r.get("train/nonfinite_skipped")]
+    # the counter is logged per skipped step (the third raises before its row is written)
+    assert [float(r["train/nonfinite_skipped"]) for r in rows] == [1.0, 2.0]
+    assert not any(r.get("train/main/loss") for r in _metrics(tmp_path / "run"))

@@ -245,7 +245,7 @@ class DFlashModule(L.LightningModule):
         if self.nonfinite_in_row >= self.max_nonfinite_in_row:
             raise FloatingPointError(
                 f"{self.nonfinite_in_row} non-finite steps in a row (limit "
-                f"train.max_nonfinite_in_row={self.max_nonfinite_in_row}); the last good state "
+                f"max_nonfinite_in_row={self.max_nonfinite_in_row}); the last good state "
                 "is the latest checkpoint. Check the data and lower the LR or noise."
             )
         return None
