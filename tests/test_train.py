@@ -240,3 +240,4 @@ def test_nonfinite_target_states_are_skipped_then_stop_the_run(tmp_path, data):
     # the counter is logged per skipped step (the third raises before its row is written)
     assert [float(r["train/nonfinite_skipped"]) for r in rows] == [1.0, 2.0]
     assert [int(r["step"]) for r in rows] == [1, 2]  # step 0 was still finite and trained
+    assert all(r["train/main/loss"] == "nan" for r in rows)  # no stale loss on skipped steps

@@ -239,6 +239,12 @@ class DFlashModule(L.LightningModule):
         self.nonfinite_total += 1
         self.nonfinite_in_row += 1
         self.log("train/nonfinite_skipped", float(self.nonfinite_total), on_step=True)
+        # overwrite this step's per-step values, else the logger repeats the last good ones
+        nan = float("nan")
+        for name in self.drafters:
+            self.log_dict({f"train/{name}/{k}": nan for k in ("loss", "acc", "streak")},
+                          on_step=True, on_epoch=False)
+        self.log("train/loss_total", nan, on_step=True, on_epoch=False)
         msg = (f"non-finite target hidden states or loss at step {step}: batch skipped "
                f"({self.nonfinite_in_row} in a row, {self.nonfinite_total} total)")
         rank_zero_print(msg)
