@@ -133,10 +133,13 @@ def build_specs(cfg: DictConfig, info: dict[str, Any]) -> list[DrafterSpec]:
             ids = default_target_layer_ids(L, k)
             ids = ids[: len(ids) - drop] if drop else ids
         hidden = d.pop("hidden_size", None) or info["hidden_size"]
-        model = DFlashConfig(
-            hidden_size=int(hidden), num_target_layers=L, target_layer_ids=list(ids),
-            vocab_size=info["vocab_size"], mask_token_id=mask_id, **d,
-        )
+        try:
+            model = DFlashConfig(
+                hidden_size=int(hidden), num_target_layers=L, target_layer_ids=list(ids),
+                vocab_size=info["vocab_size"], mask_token_id=mask_id, **d,
+            )
+        except (TypeError, ValueError) as e:  # name the drafter (config keys: drafter.*)
+            raise ValueError(f"drafters.{name}: {e}") from None
         specs.append(
             DrafterSpec(
                 name=str(name), model=model, loss=loss,
