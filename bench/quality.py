@@ -80,9 +80,10 @@ def main() -> None:
                 "run_dir": str(run_dir.relative_to(REPO)),
             })
             print(rows[-1], flush=True)
+    budget = " ".join(args.train_overrides) or "budget=tiny (2 epochs)"
     table = fmt_table(rows) + (f"\n\nHumanEval: first {args.limit} prompts, "
-                               f"max_new_tokens={args.max_new_tokens}; equal budget: budget=tiny "
-                               "(2 epochs, same data) for every recipe")
+                               f"max_new_tokens={args.max_new_tokens}; equal budget for every "
+                               f"recipe: {budget}, same data")
     write_result("quality", {"rows": rows, "limit": args.limit,
                              "max_new_tokens": args.max_new_tokens}, table)
 
