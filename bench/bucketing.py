@@ -10,20 +10,17 @@ from __future__ import annotations
 import numpy as np
 from common import REPO, fmt_table, write_result
 
-from dflash_lit.data.bucketing import BucketBatchSampler, padding_efficiency, random_batches
+from dflash_lit.data.bucketing import (
+    BucketBatchSampler,
+    pack_greedy,
+    padding_efficiency,
+    random_batches,
+)
 
 
 def sorted_batches(lengths: np.ndarray, token_budget: int) -> list[list[int]]:
     """Upper bound for length grouping: sort everything, pack greedily (no shuffling)."""
-    batches, cur, cur_max = [], [], 0
-    for i in np.argsort(lengths, kind="stable").tolist():
-        n = int(lengths[i])
-        if cur and (len(cur) + 1) * max(cur_max, n) > token_budget:
-            batches.append(cur)
-            cur, cur_max = [], 0
-        cur.append(i)
-        cur_max = max(cur_max, n)
-    return batches + ([cur] if cur else [])
+    return pack_greedy(np.argsort(lengths, kind="stable").tolist(), lengths, token_budget)
 
 
 def default_lengths() -> np.ndarray:

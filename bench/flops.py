@@ -27,7 +27,6 @@ from dflash_lit.model.layout import BlockLayout
 def visible_pairs(layout: BlockLayout) -> int:
     """P: Σ over valid block queries of their visible keys (context < anchor + own block)."""
     v = layout.valid
-    ctx = torch.zeros_like(layout.anchors)
     # context keys before the anchor that are real tokens
     cum = layout.context_valid.long().cumsum(1)
     a = layout.anchors.clamp(min=1)

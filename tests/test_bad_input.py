@@ -3,6 +3,8 @@ key or file:line) and what to do. The README's bad-input table lists these tests
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from train_utils import base_overrides, make_shards, run_train
 
@@ -38,7 +40,7 @@ def test_config_values_out_of_range(tmp_path, data, case):
         run_train(base_overrides(tmp_path, *data) + ["trainer.max_steps=1", *ov], tmp_path / "r")
     err = ei.value.__cause__ or ei.value
     assert isinstance(err, ValueError), repr(err)
-    assert __import__("re").search(msg, str(err)), str(err)
+    assert re.search(msg, str(err)), str(err)
     assert not (tmp_path / "r" / "checkpoints").exists()  # failed before any training
 
 

@@ -205,7 +205,6 @@ def test_real_train_checkpoint_evaluates_and_exports(tmp_path):
     import os
     import subprocess
 
-    sys.path.insert(0, str(ROOT / "tests"))
     from train_utils import base_overrides, make_shards
 
     target = save_tiny(tiny_qwen3(vocab_size=128, hidden_size=64, num_layers=8, seed=0),

@@ -120,12 +120,19 @@ def test_sigkill_during_checkpoint_write_leaves_loadable_checkpoints(tmp_path, d
         assert torch.equal(got[k], straight[k]), k
 
 
-def test_truncated_checkpoint_fails_before_training_with_one_line(tmp_path, data):
-    ov = base_overrides(tmp_path, *data) + ["trainer.max_steps=2"]
-    rc, out = _run(ov, tmp_path)
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory, data):
+    """(overrides, last.ckpt) of a finished 2-step run: the checkpoint the bad-resume tests start from."""
+    tmp = tmp_path_factory.mktemp("two_step")
+    ov = base_overrides(tmp, *data) + ["trainer.max_steps=2"]
+    rc, out = _run(ov, tmp)
     assert rc == 0, out[-3000:]
-    (run,) = _run_dirs(tmp_path)
-    good = run / "checkpoints" / "last.ckpt"
+    (run,) = _run_dirs(tmp)
+    return ov, run / "checkpoints" / "last.ckpt"
+
+
+def test_truncated_checkpoint_fails_before_training_with_one_line(tmp_path, two_step_run):
+    ov, good = two_step_run
     bad = tmp_path / "truncated.ckpt"
     bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     rc, out = _run(ov + [f"ckpt_path={bad}"], tmp_path)
@@ -136,12 +143,8 @@ def test_truncated_checkpoint_fails_before_training_with_one_line(tmp_path, data
     assert rc != 0 and "missing.ckpt" in out and "step=" not in out
 
 
-def test_checkpoint_from_another_target_is_refused(tmp_path, data):
-    ov = base_overrides(tmp_path, *data) + ["trainer.max_steps=2"]
-    rc, out = _run(ov, tmp_path)
-    assert rc == 0, out[-3000:]
-    (run,) = _run_dirs(tmp_path)
-    ck = run / "checkpoints" / "last.ckpt"
+def test_checkpoint_from_another_target_is_refused(tmp_path, two_step_run):
+    ov, ck = two_step_run
     rc, out = _run(ov + ["target.build.num_layers=10", f"ckpt_path={ck}"], tmp_path)
     assert rc != 0 and "step=" not in out
     # the drafter's context layers follow the target's depth: the first field that differs

@@ -66,17 +66,16 @@ def padding_efficiency(batches: Sequence[Sequence[int]], lengths: np.ndarray) ->
     return real / padded if padded else 1.0
 
 
-def random_batches(lengths: np.ndarray, token_budget: int, seed: int = 0) -> list[list[int]]:
-    """Baseline without bucketing: shuffle all sequences, then pack greedily under the budget.
+def pack_greedy(order: Sequence[int], lengths: np.ndarray, token_budget: int) -> list[list[int]]:
+    """Pack sequences in ``order`` into consecutive batches under ``token_budget``.
 
     A batch is closed when adding the next sequence would make
-    ``(batch_size + 1) * max_len`` exceed ``token_budget``. Used to measure what bucketing buys.
+    ``(batch_size + 1) * max_len`` exceed ``token_budget``.
     """
-    order = np.random.default_rng(seed).permutation(len(lengths))
     batches: list[list[int]] = []
     cur: list[int] = []
     cur_max = 0
-    for i in order.tolist():
+    for i in order:
         n = int(lengths[i])
         if cur and (len(cur) + 1) * max(cur_max, n) > token_budget:
             batches.append(cur)
@@ -86,6 +85,13 @@ def random_batches(lengths: np.ndarray, token_budget: int, seed: int = 0) -> lis
     if cur:
         batches.append(cur)
     return batches
+
+
+def random_batches(lengths: np.ndarray, token_budget: int, seed: int = 0) -> list[list[int]]:
+    """Baseline without bucketing: shuffle all sequences, then ``pack_greedy`` under the
+    budget. Used to measure what bucketing buys."""
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    return pack_greedy(order.tolist(), lengths, token_budget)
 
 
 class BucketBatchSampler:
