@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import dflash_lit.resolvers  # noqa: F401  (registers ${repo_root:})
+from dflash_lit.data.vocab import check_tokenizer_fits
 from dflash_lit.eval.loading import check_compatible, load_drafter
 from dflash_lit.eval.prompts import load_prompts, render
 from dflash_lit.eval.report import (
@@ -110,6 +111,8 @@ def run(cfg: DictConfig, out_dir: str | Path) -> int:
         log.warning("target %s differs from the one recorded at training (recorded, actual): %s",
                     target_path, diff)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or target_path)
+    check_tokenizer_fits(tokenizer, dims["vocab_size"], f"tokenizer={cfg.tokenizer or target_path}",
+                         "pass tokenizer=<the target's tokenizer dir> (default: the target dir)")
     eos = eos_ids_for(cfg, tokenizer, model)
     encoded = [(p.id, render(p, tokenizer, cfg.chat_template)) for p in prompts]
     report = run_evaluation(model, drafter, encoded, settings, eos, progress=bool(cfg.progress))

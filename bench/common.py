@@ -110,15 +110,15 @@ def fmt_table(rows: list[dict[str, Any]], cols: Sequence[str] | None = None) -> 
     return "\n".join(out)
 
 
-def write_result(name: str, payload: dict[str, Any], table: str) -> Path:
-    """Print ``table`` and write ``bench/results/<name>.json`` (+ ``.md`` with the table)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write_result(name: str, payload: dict[str, Any], table: str, results: Path = RESULTS) -> Path:
+    """Print ``table`` and write ``<results>/<name>.json`` (+ ``.md`` with the table)."""
+    results.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine_info(), **payload}
-    path = RESULTS / f"{name}.json"
+    path = results / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
     md = f"<!-- {payload['machine']['date']} · {payload['machine']['cpu']} · " \
          f"{payload['machine']['command']} -->\n{table}\n"
-    (RESULTS / f"{name}.md").write_text(md)
+    (results / f"{name}.md").write_text(md)
     print(table)
     print(f"\nwrote {path}")
     return path

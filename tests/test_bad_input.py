@@ -70,3 +70,34 @@ def test_prompt_file_not_utf8_names_file_and_offset(tmp_path):
     assert len(prompts) == 1 and stats.malformed == 1  # lenient mode: counted, reported
     with pytest.raises(PromptError, match=rf"{f}:2: not valid UTF-8 at byte offset 33 of the file \(byte 0xff\); re-encode"):
         load_source(src, strict=True)
+
+
+def test_shards_of_another_tokenizer_are_refused_before_the_target_loads(tmp_path, data):
+    """Shards regenerate.py made with one tokenizer, trained against a target whose tokenizer
+    differs: their ids mean other tokens, so training refuses them, naming file and fix."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from dflash_lit.data.vocab import META_KEY, tokenizer_fingerprint
+    from dflash_lit.tiny.random_targets import save_tiny, tiny_char_tokenizer, tiny_qwen3
+
+    target = save_tiny(tiny_qwen3(vocab_size=128), tmp_path / "target")
+    shards = make_shards(tmp_path / "other", n=24)
+    first = shards / "shard-00000.parquet"
+    table = pq.read_table(first)
+    other = tokenizer_fingerprint(tiny_char_tokenizer(64))  # as regenerate.py records it
+    meta = {META_KEY: json.dumps({"tokenizer": other}).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), first)
+    ov = base_overrides(tmp_path, shards, data[1]) + [f"target.path={target}", "trainer.max_steps=1"]
+    have = tokenizer_fingerprint(tiny_char_tokenizer(128))
+    with pytest.raises(ValueError, match=rf"data.path: {first} was regenerated with another "
+                                         rf"tokenizer \(fingerprint {other}\) than the target's at "
+                                         rf"target.path={target} \({have}\).*regenerate the data"):
+        run_train(ov, tmp_path / "r")
+    assert not (tmp_path / "r" / "checkpoints").exists()
+    # the same shards recorded with the target's own tokenizer train
+    meta = {META_KEY: json.dumps({"tokenizer": have}).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), first)
+    run_train(ov + ["trainer.limit_val_batches=0"], tmp_path / "ok")
+    assert (tmp_path / "ok" / "checkpoints" / "last.ckpt").is_file()

@@ -169,6 +169,19 @@ def test_evaluate_mismatched_target_errors(setup):
                           "prompts=humaneval", "limit=1"]), setup["tmp"] / "eval_wide")
 
 
+def test_evaluate_tokenizer_larger_than_target_vocab_errors(setup):
+    """A tokenizer of another model (102 tokens) against a 96-row embedding: refused up front."""
+    from dflash_lit.tiny.random_targets import tiny_char_tokenizer
+
+    tok_dir = setup["tmp"] / "big_tokenizer"
+    tiny_char_tokenizer(128).save_pretrained(tok_dir)
+    with pytest.raises(ValueError, match=rf"tokenizer={tok_dir}: the tokenizer has 102 tokens but "
+                                         rf"the target's embedding has vocab_size={V} rows"):
+        _evaluate_module().run(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main",
+                                          f"tokenizer={tok_dir}", "prompts=humaneval", "limit=1"]),
+                               setup["tmp"] / "eval_bigtok")
+
+
 def _hydra_main(module_file: str, argv: list[str], monkeypatch) -> int:
     """Run a script as ``python <script> argv...`` in-process (no interpreter start-up cost).
 

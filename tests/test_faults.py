@@ -112,8 +112,12 @@ def test_sigkill_during_checkpoint_write_leaves_loadable_checkpoints(tmp_path, d
     assert any(f.name == "last.ckpt" for f in finished)
     for f in finished:  # ... but every real checkpoint name holds a complete checkpoint
         torch.load(f, map_location="cpu", weights_only=False)
+    partial = list(ckdir.glob(".*.tmp-*"))
     rc, out = _run(ov + ["ckpt_path=last"], tmp_path)
     assert rc == 0, out[-3000:]
+    # the resume deletes the dead writer's partial file (as large as a checkpoint), saying so
+    assert not any(ckdir.glob(".*.tmp-*"))
+    assert f"removed {partial[0]}: a partial checkpoint write of a killed run" in out
     resumed = max(_run_dirs(tmp_path), key=lambda d: d.name)
     got = drafter_state(resumed / "checkpoints" / "last.ckpt")
     for k in got:
@@ -213,3 +217,32 @@ write_shards(rows, sys.argv[1], rows_per_shard=8)
     assert p.returncode == 0, p.stderr[-2000:]
     ds, _ = load_shards(out, vocab_size=4096, min_completion_tokens=1)
     assert len(ds) == 24
+
+
+def test_stale_temporaries_only_of_dead_local_writers_are_removed(tmp_path):
+    """A live writer's temporary (a concurrent save) and another host's are never touched."""
+    from dflash_lit.atomic import remove_stale_temporaries, temporary_name
+
+    final = tmp_path / "last.ckpt"
+    mine = temporary_name(final)  # this (live) process
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = temporary_name(final, pid=dead.pid)
+    remote = tmp_path / f".last.ckpt.tmp-otherhost-{dead.pid}"
+    for f in (mine, stale, remote):
+        f.write_bytes(b"partial")
+    assert remove_stale_temporaries([tmp_path]) == [stale]
+    assert mine.exists() and remote.exists() and not stale.exists()
+
+
+def test_unwritable_checkpoint_directory_fails_clearly(tmp_path, data):
+    """The checkpoint directory cannot be created (a file is in the way; permissions are no
+    barrier to root, ENOTDIR takes the same path as EACCES/EROFS): one error naming it."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    ov = base_overrides(tmp_path, *data) + [
+        "trainer.max_steps=2", "trainer.limit_val_batches=0",
+        f"callbacks.model_checkpoint.dirpath={blocker}/ckpts"]
+    rc, out = _run(ov, tmp_path)
+    assert rc != 0
+    assert f"could not create {blocker}/ckpts for checkpoint last.ckpt: Not a directory" in out

@@ -22,6 +22,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from dflash_lit.atomic import temporary_name
 from dflash_lit.data.backends.hf import cut_at_stop
 from dflash_lit.data.backends.openai import ServerError
 from dflash_lit.data.prompts import (
@@ -123,12 +124,14 @@ class FakeServer:
     """/v1/models, /v1/completions, /v1/chat/completions on 127.0.0.1; POSTs are numbered 1, 2, ...
 
     fail_first: the first N POSTs answer 500; slow: POST numbers answered after slow_s;
-    malformed: POST numbers answered with broken JSON; dead_after: later POSTs answer 503;
+    malformed: POST numbers answered with broken JSON; truncated: POST numbers whose body stops
+    halfway (Content-Length promises more, then the connection closes); empty: POST numbers
+    answered with well-formed JSON holding no choice; dead_after: later POSTs answer 503;
     gate_after: later POSTs wait for ``gate`` (set by the test).
     """
 
-    def __init__(self, fail_first=0, slow=(), malformed=(), slow_s=1.5, dead_after=None,
-                 gate_after=None):
+    def __init__(self, fail_first=0, slow=(), malformed=(), truncated=(), empty=(), slow_s=1.5,
+                 dead_after=None, gate_after=None):
         self.n, self.lock, self.bodies = 0, threading.Lock(), []
         self.gate = threading.Event()
         server = self
@@ -137,15 +140,17 @@ class FakeServer:
             def log_message(self, *args):  # keep pytest output clean
                 pass
 
-            def _send(self, code, payload: bytes):
+            def _send(self, code, payload: bytes, cut: bool = False):
                 try:
                     self.send_response(code)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
-                    self.wfile.write(payload)
+                    self.wfile.write(payload[: len(payload) // 2] if cut else payload)
                 except OSError:  # the client timed out and went away
                     pass
+                if cut:
+                    self.close_connection = True
 
             def do_GET(self):
                 if self.path == "/v1/models":
@@ -163,6 +168,8 @@ class FakeServer:
                     return self._send(500 if k <= fail_first else 503, b'{"error": "boom"}')
                 if k in malformed:
                     return self._send(200, b'{"choices": [ {"text": ')
+                if k in empty:
+                    return self._send(200, b'{"choices": [], "usage": {}}')
                 if k in slow:
                     time.sleep(slow_s)
                 if gate_after is not None and k > gate_after:
@@ -176,7 +183,7 @@ class FakeServer:
                               "finish_reason": "stop"}
                 else:
                     return self._send(404, b'{"error": "not found"}')
-                self._send(200, json.dumps({"choices": [choice]}).encode())
+                self._send(200, json.dumps({"choices": [choice]}).encode(), cut=k in truncated)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -394,12 +401,46 @@ def test_chat_true_without_template_is_an_error(toy, tmp_path):
                      strict=True, out=str(tmp_path / "o")))
 
 
+def test_tokenizer_that_does_not_fit_the_target_is_refused(tmp_path):
+    """A target directory holding another model's (larger) tokenizer: one line, before any
+    generation; a shard records the tokenizer it was made with (training checks it)."""
+    from dflash_lit.tiny.random_targets import save_tiny, tiny_char_tokenizer, tiny_qwen3
+
+    target = save_tiny(tiny_qwen3(vocab_size=64), tmp_path / "t", tokenizer=False)
+    tiny_char_tokenizer(128).save_pretrained(target)
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS])
+    with pytest.raises(ValueError, match=rf"target.path={target}: the tokenizer has 102 tokens but "
+                                         r"the target's embedding has vocab_size=64 rows"):
+        run(make_cfg(target__path=str(target), sources=[{"path": str(path), "name": "p"}],
+                     out=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.parquet"))
+
+    from dflash_lit.data.vocab import regenerated_with, tokenizer_fingerprint
+
+    good = save_tiny(tiny_qwen3(vocab_size=64), tmp_path / "good")  # its own 64-token tokenizer
+    run(make_cfg(target__path=str(good), sources=[{"path": str(path), "name": "p"}],
+                 out=str(tmp_path / "out2")))
+    _, recorded = regenerated_with(tmp_path / "out2")
+    assert recorded == tokenizer_fingerprint(tiny_char_tokenizer(64))
+    assert recorded != tokenizer_fingerprint(tiny_char_tokenizer(128))
+
+
+def test_unwritable_out_directory_is_one_clear_error(toy, tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS])
+    with pytest.raises(OSError, match=rf"out={blocker}/out: cannot create the output directory "
+                                      r"\(Not a directory\); choose a writable out="):
+        run(make_cfg(target__path=str(toy["plain"]), sources=[{"path": str(path), "name": "p"}],
+                     out=str(blocker / "out")))
+
+
 # -- openai backend --------------------------------------------------------------------------
 
 
 def test_openai_completions_retries_and_counts(toy, tmp_path, server_factory):
     tok = toy["tok"]
-    srv = server_factory(fail_first=2, slow={3}, malformed={4})
+    srv = server_factory(fail_first=2, slow={3}, malformed={4}, truncated={5}, empty={6})
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS])
     out = tmp_path / "out"
     summary = run(make_cfg(target__path=str(toy["plain"]), sources=[{"path": str(path), "name": "p"}],
@@ -415,8 +456,9 @@ def test_openai_completions_retries_and_counts(toy, tmp_path, server_factory):
         assert r["input_ids"] == prompt_ids + gen and r["loss_mask"] == [0] * p + [1] * len(gen)
         assert r["finish_reason"] == finish and r["backend"] == "openai"
     stats = summary["backend_stats"]
-    assert stats["http_5xx"] == 2 and stats["timeout"] == 1 and stats["malformed"] == 1
-    assert stats["retries"] == 4 and stats["requests"] == 6 + 4 + 1  # +1: GET /models
+    assert stats["http_5xx"] == 2 and stats["timeout"] == 1 and stats["malformed"] == 2
+    assert stats["truncated"] == 1  # a body cut off mid-transfer, told apart from a dead server
+    assert stats["retries"] == 6 and stats["requests"] == 6 + 6 + 1  # +1: GET /models
     assert json.loads((out / "summary.json").read_text())["backend_stats"] == stats
     assert all(b["model"] == "toy" and b["temperature"] == 0.0 and b["max_tokens"] == 8
                for b in srv.bodies)
@@ -500,7 +542,8 @@ def test_kill_and_rerun(toy, tmp_path, server_factory):
     srv.gate.set()
     first = [r["id"] for r in read_rows(out)]
     assert len(first) == 2 and len(srv.bodies) == 3  # 2 answered, the 3rd killed in flight
-    (out / ".shard-00001.parquet.tmp").write_bytes(b"half a shard")  # a kill mid-write
+    # a kill mid-write leaves the dead process's temporary (the rerun must delete it)
+    temporary_name(out / "shard-00001.parquet", pid=proc.pid).write_bytes(b"half a shard")
 
     healthy = server_factory()
     summary = run(make_cfg(target__path=str(toy["plain"]), sources=[{"path": str(path), "name": "p"}],
@@ -509,7 +552,7 @@ def test_kill_and_rerun(toy, tmp_path, server_factory):
     ids = [r["id"] for r in read_rows(out)]
     assert sorted(ids) == [f"p:{i}" for i in range(1, 7)] and len(ids) == len(set(ids))
     assert summary["prompts"]["done_before"] == 2 and summary["prompts"]["generated"] == 4
-    assert not list(out.glob(".*.tmp"))
+    assert not list(out.glob(".*.tmp*"))
     assert len(healthy.bodies) == 4  # only the missing ids were requested
     tok = toy["tok"]
     done_prompts = {tuple(tok(PROMPTS[int(i[2:]) - 1])["input_ids"]) for i in first}

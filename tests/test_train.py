@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_utils import REPO, base_overrides, drafter_state, make_shards, run_train
+from train_utils import (
+    REPO,
+    base_overrides,
+    drafter_state,
+    make_shards,
+    run_train,
+    state_digest,
+)
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +249,41 @@ def test_nonfinite_target_states_are_skipped_then_stop_the_run(tmp_path, data):
     assert [float(r["train/nonfinite_skipped"]) for r in rows] == [1.0, 2.0]
     assert [int(r["step"]) for r in rows] == [1, 2]  # step 0 was still finite and trained
     assert all(r["train/main/loss"] == "nan" for r in rows)  # no stale loss on skipped steps
+
+
+def test_nonfinite_stretch_stops_with_a_checkpoint_of_the_last_good_state(tmp_path, data):
+    """Sporadic NaN batches (2 in a row, under the limit) are skipped and training goes on; a
+    later stretch stops the run after 3 in a row, and the last.ckpt it writes holds exactly the
+    weights of the last finite step. Resuming from it (the fault gone) trains to the end."""
+    train, val = data
+    bad = [3, 4] + list(range(8, 20))
+    log = tmp_path / "steps.jsonl"
+    ov = base_overrides(tmp_path, train, val) + [
+        "trainer.max_steps=16", "max_nonfinite_in_row=3", "trainer.limit_val_batches=0",
+        "+callbacks.nan._target_=train_utils.NonFiniteInjector",
+        f"+callbacks.nan.steps={bad}", f"+callbacks.nan.out={log}"]
+    with pytest.raises(FloatingPointError, match=r"3 non-finite steps in a row .*5 in all; "
+                                                 r"stopped at step 11\. .*last\.ckpt holds the last good"):
+        run_train(ov, tmp_path / "run")
+    steps = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(11))  # stopped after the batch of step 10
+    good = [s for s in steps if not s["poisoned"]]
+    assert [s["step"] for s in good] == [0, 1, 2, 5, 6, 7]  # trained between the NaN batches
+    assert steps[4]["digest"] == steps[2]["digest"] != steps[5]["digest"]  # skips change nothing
+
+    ck = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu",
+                    weights_only=False)
+    assert ck["global_step"] == 11
+    assert ck["dflash"]["nonfinite_total"] == 5 and ck["dflash"]["nonfinite_in_row"] == 3
+    weights = {k.removeprefix("drafters."): v for k, v in ck["state_dict"].items()
+               if k.startswith("drafters.")}
+    assert all(torch.isfinite(v).all() for v in weights.values())
+    assert state_digest(weights) == good[-1]["digest"]  # the state after step 7, the last good one
+
+    ov_resume = [o for o in ov if "callbacks.nan" not in o] + [
+        f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}"]
+    run_train(ov_resume, tmp_path / "resumed")
+    ck = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", map_location="cpu",
+                    weights_only=False)
+    assert ck["global_step"] == 16 and ck["dflash"]["nonfinite_total"] == 5
+    assert ck["dflash"]["nonfinite_in_row"] == 0

@@ -110,11 +110,47 @@ class RankRecorder(Callback):
         self.rows += [[trainer.current_epoch, int(i)] for i in batch["index"].tolist()]
 
     def on_train_end(self, trainer, pl_module) -> None:
-        h = hashlib.sha256()
-        for k, v in sorted(pl_module.drafters.state_dict().items()):
-            h.update(k.encode())
-            h.update(v.detach().cpu().contiguous().numpy().tobytes())
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         Path(self.out).mkdir(parents=True, exist_ok=True)
         (Path(self.out) / f"rank{trainer.global_rank}.json").write_text(
-            json.dumps({"rows": self.rows, "digest": h.hexdigest(), "val": metrics}))
+            json.dumps({"rows": self.rows, "digest": weights_digest(pl_module.drafters),
+                        "val": metrics}))
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict (names and bytes)."""
+    h = hashlib.sha256()
+    for k, v in sorted(state.items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """sha256 over a module's state_dict."""
+    return state_digest(module.state_dict())
+
+
+class NonFiniteInjector(Callback):
+    """Test callback: the target's embeddings turn NaN on the batches whose global step is in
+    ``steps`` (a real forward hook, so the target's hidden states and logits are non-finite);
+    after every batch it appends ``{step, poisoned, digest}`` of the drafters to ``out``."""
+
+    def __init__(self, steps: list[int], out: str) -> None:
+        self.steps, self.out = {int(s) for s in steps}, Path(out)
+        self._hook = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step = trainer.global_step
+        if self._step in self.steps:
+            self._hook = pl_module._target.embed_tokens.register_forward_hook(
+                lambda mod, args, out: out * float("nan"))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        rec = {"step": self._step, "poisoned": self._step in self.steps,
+               "digest": weights_digest(pl_module.drafters)}
+        with self.out.open("a") as f:
+            f.write(json.dumps(rec) + "\n")

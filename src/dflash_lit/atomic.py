@@ -2,15 +2,55 @@
 
 A kill at any moment leaves either the old file or the complete new one under the final
 name, never a partial file; a failed write (disk full, quota, permissions) removes its
-temporary file and raises one OSError that names the file and says what is intact.
+temporary file and raises one OSError that names the file and says what is intact. A SIGKILL
+mid-write cannot remove its temporary: the name carries the writer's host and PID so a later
+run can tell a dead writer's leftover from a live write and delete it
+(``remove_stale_temporaries``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import re
+import socket
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
+
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+_TMP = re.compile(r"^\..+\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
+
+
+def temporary_name(path: Path, pid: int | None = None) -> Path:
+    """``.NAME.tmp-HOST-PID`` beside ``path``: where process ``pid`` (default: this one) writes
+    before the rename."""
+    return path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid() if pid is None else pid}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(dirs: Iterable[str | os.PathLike]) -> list[Path]:
+    """Delete temporaries in ``dirs`` left by killed writers on this host; returns them.
+
+    A temporary whose writer is alive (a concurrent save) or ran on another host (a shared
+    filesystem) is kept: only a dead local PID proves the file will never be renamed.
+    """
+    removed = []
+    for d in dirs:
+        for f in Path(d).glob(".*.tmp-*"):
+            m = _TMP.match(f.name)
+            if m and m["host"] == _HOST and not _pid_alive(int(m["pid"])):
+                f.unlink(missing_ok=True)
+                removed.append(f)
+    return removed
 
 
 def fsync_dir(path: Path) -> None:
@@ -55,7 +95,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object],
     except OSError as e:
         raise OSError(e.errno, f"could not create {path.parent} for {what} {path.name}: "
                                f"{e.strerror or e}") from e
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary_name(path)
     rec: _RecordingFile | None = None
     try:
         with open(tmp, "wb") as f:

@@ -24,16 +24,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import dflash_lit.resolvers  # noqa: F401  (${repo_root:} in conf/paths)
-from dflash_lit.atomic import atomic_write
+from dflash_lit.atomic import atomic_write, remove_stale_temporaries
 from dflash_lit.data.backends import GenerationSettings, GenRequest, eos_token_ids, make_backend
 from dflash_lit.data.prompts import Prompt, PromptError, load_source, mix, parse_sources
+from dflash_lit.data.vocab import META_KEY, check_tokenizer_fits, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
 SHARD_GLOB = "shard-*.parquet"
 FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                      "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-META_KEY = b"dflash_lit.regenerate"
 SCHEMA = pa.schema(
     [
         ("id", pa.string()),
@@ -116,9 +116,12 @@ class ShardWriter:
             raise ValueError(f"rows_per_shard: must be >= 1, got {rows_per_shard}")
         self.out, self.rows_per_shard = Path(out), int(rows_per_shard)
         self.settings = json.loads(json.dumps(settings))
-        self.out.mkdir(parents=True, exist_ok=True)
-        for tmp in self.out.glob(".*.tmp*"):  # a killed run's half-written shard
-            tmp.unlink()
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"out={self.out}: cannot create the output directory "
+                                   f"({e.strerror or e}); choose a writable out=") from e
+        remove_stale_temporaries([self.out])  # a killed run's half-written shard
         self.done_ids: set[str] = set()
         self.next_index = 0
         for shard in sorted(self.out.glob(SHARD_GLOB)):
@@ -137,7 +140,7 @@ class ShardWriter:
     def _check_settings(self, shard: Path, old: dict[str, Any] | None) -> None:
         if old is None:
             return
-        for key in sorted(set(old) | set(self.settings)):
+        for key in sorted(old):  # a key the writer of an older shard did not record is no conflict
             if old.get(key) != self.settings.get(key):
                 raise RuntimeError(
                     f"out={self.out} holds {shard.name}, generated with different settings "
@@ -249,6 +252,13 @@ def _load_tokenizer(target: str):
         raise ValueError(f"target: cannot load a tokenizer from {target}: {e}") from e
 
 
+def _target_vocab_size(target: str) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(target)
+    return int((cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).vocab_size)
+
+
 def _generation_settings(cfg: Any, target: str, tokenizer: Any) -> GenerationSettings:
     g = cfg.generation
     stop_ids = eos_token_ids(target, tokenizer)
@@ -300,6 +310,8 @@ def run(cfg: Any) -> dict[str, Any]:
     target = str(target_path)
     strict = bool(cfg.strict)
     tokenizer = _load_tokenizer(target)
+    check_tokenizer_fits(tokenizer, _target_vocab_size(target), f"target.path={target}",
+                         "put the target's own tokenizer files in that directory")
     use_chat = resolve_chat(cfg.chat, tokenizer, target)
     sources = parse_sources(OmegaConf.to_container(cfg.sources, resolve=True))
     for i, s in enumerate(sources):
@@ -312,6 +324,7 @@ def run(cfg: Any) -> dict[str, Any]:
     chat_kwargs = OmegaConf.to_container(cfg.chat_template_kwargs, resolve=True) or {}
     settings = {
         "target": target_fingerprint(target),
+        "tokenizer": tokenizer_fingerprint(tokenizer),  # training refuses these ids for another
         "chat": use_chat,
         "chat_template_kwargs": chat_kwargs,
         "system_prompt": cfg.system_prompt,

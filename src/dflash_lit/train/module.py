@@ -248,15 +248,30 @@ class DFlashModule(L.LightningModule):
         msg = (f"non-finite target hidden states or loss at step {step}: batch skipped "
                f"({self.nonfinite_in_row} in a row, {self.nonfinite_total} total)")
         rank_zero_print(msg)
-        if self.nonfinite_in_row >= self.max_nonfinite_in_row:
-            raise FloatingPointError(
-                f"{self.nonfinite_in_row} non-finite steps in a row (limit "
-                f"max_nonfinite_in_row={self.max_nonfinite_in_row}); the last good state "
-                "is the latest checkpoint. Check the data and lower the LR or noise."
-            )
-        return None
+        return None  # no backward, no optimizer update: weights and Adam moments stay as they were
+
+    def _stop_after_nonfinite(self) -> None:
+        """Save ``last.ckpt`` at this step boundary, then end the run with the reason.
+
+        Skipped steps change neither the weights nor the Adam moments, so the checkpoint holds
+        the last good state; its data position is past the bad batches (a resume does not
+        replay them) and every earlier periodic checkpoint is kept.
+        """
+        from dflash_lit.train.preemption import checkpoint_dir
+
+        path = checkpoint_dir(self.trainer) / "last.ckpt"
+        self.trainer.save_checkpoint(str(path))
+        raise FloatingPointError(
+            f"{self.nonfinite_in_row} non-finite steps in a row (limit "
+            f"max_nonfinite_in_row={self.max_nonfinite_in_row}), {self.nonfinite_total} in all; "
+            f"stopped at step {self.global_step}. {path} holds the last good weights and optimizer "
+            "state (skipped steps change neither). Check the data and the target, lower the LR "
+            "or noise, then resume with ckpt_path=last (or an earlier step*.ckpt)."
+        )
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.nonfinite_in_row >= self.max_nonfinite_in_row:
+            self._stop_after_nonfinite()
         interval = max(int(self.trainer.log_every_n_steps), 1)
         if (self.global_step % interval) == 0:
             for name, m in self.train_metrics.items():

@@ -11,6 +11,8 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_lit.atomic import remove_stale_temporaries
+from dflash_lit.data.vocab import check_data_tokenizer
 from dflash_lit.train.build import (
     build_callbacks,
     build_loggers,
@@ -69,6 +71,8 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
         cfg.data, vocab_size=info["vocab_size"], block_size=max_bs, seed=int(cfg.seed)
     )
     dm.setup("fit")
+    check_data_tokenizer({"data.path": cfg.data.get("path"), "data.val_path": cfg.data.get("val_path")},
+                         cfg.target.get("path"))
     total = total_training_steps(cfg, dm)
     target = build_target(cfg.target, capture_layer_ids(specs))
     module = DFlashModule(
@@ -100,6 +104,9 @@ def train(cfg: DictConfig) -> float | None:
 
     # 1. The checkpoint to resume (a bad path fails at once), then data and models.
     ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), run_root, list(hc.overrides.task), run_dir)
+    # half-written checkpoints of earlier runs killed mid-save (each as large as a checkpoint)
+    for f in remove_stale_temporaries(run_root.glob("**/checkpoints")):
+        print(f"removed {f}: a partial checkpoint write of a killed run", flush=True)
     module, dm, total = build_run(cfg)
     if ckpt is not None:  # fail before training on a checkpoint from another setup
         meta = AtomicCheckpointIO().load_checkpoint(ckpt)

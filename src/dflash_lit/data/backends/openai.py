@@ -2,8 +2,9 @@
 
 Standard library only (``urllib.request`` + a thread pool). ``/v1/completions`` is sent the
 prompt token ids (exactly the stored prompt) or the rendered text; ``/v1/chat/completions``
-the messages (the server applies its template). Timeouts, connection errors, HTTP 5xx / 429
-and malformed JSON are retried with exponential back-off; other HTTP 4xx errors are fatal.
+the messages (the server applies its template). Timeouts, connection errors, HTTP 5xx / 429,
+bodies cut off mid-transfer and malformed JSON are retried with exponential back-off (each
+counted by kind in the summary); other HTTP 4xx errors are fatal.
 Responses are tokenized with the target tokenizer in the calling thread.
 """
 
@@ -117,6 +118,9 @@ class OpenAIBackend:
             raise _Retryable(kind, f"{type(e.reason).__name__}: {e.reason}") from e
         except TimeoutError as e:
             raise _Retryable("timeout", f"no answer within timeout_s={self.timeout_s}") from e
+        except http.client.IncompleteRead as e:  # the connection closed mid-body
+            raise _Retryable("truncated", f"body cut off after {len(e.partial)} bytes "
+                                          f"({e.expected} more expected)") from e
         except (http.client.HTTPException, OSError) as e:
             raise _Retryable("connection", f"{type(e).__name__}: {e}") from e
         try:
