@@ -147,6 +147,11 @@ class Segment:
     orphans: list[int] = field(default_factory=list)  # descendants still alive 10 s after it ended
 
 
+def redone_steps(segments: list[Segment]) -> int:
+    """Steps trained twice: those a launch ran past its last checkpoint before a SIGKILL."""
+    return sum(max(0, a.last_step - b.first_step + 1) for a, b in zip(segments, segments[1:]))
+
+
 def newest_last_ckpt(root: Path) -> Path | None:
     found = sorted(root.glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None
@@ -366,6 +371,7 @@ def main() -> None:
         "kills": {k: kills.count(k) for k in sorted(set(kills))},
         "identical_final_state": cmp["identical"],
         "loss_steps_compared": len(common_steps), "loss_steps_differing": len(loss_mismatch),
+        "steps_redone": redone_steps(segments),
         "orphan_processes": sum(len(s.orphans) for s in segments),
         "wall_s": wall,
     }
