@@ -7,8 +7,8 @@ file descriptors over the steps, and any file or process a kill left behind.
     python bench/soak.py --steps 200 --every 50 --kill-every 40 90   # a few-minute check of the driver
 
 Both runs are train.py subprocesses with one torch thread each, run side by side (the same
-thread count keeps CPU kernels bit-reproducible). Kills are SIGKILL (most), SIGTERM or SIGUSR1,
-sent at a random moment inside a step: some land mid-checkpoint-write or mid-validation.
+thread count keeps CPU kernels bit-reproducible). Kills are SIGKILL (half), SIGTERM or SIGUSR1,
+sent at a random moment inside a step, so one can land mid-checkpoint-write or mid-validation.
 After each kill the driver runs ``ckpt_path=last``, exactly as a user or SLURM requeue would.
 Writes ``bench/results/soak.{json,md}`` and ``soak_rss.png``; run files stay in ``--workdir``.
 """
@@ -297,7 +297,7 @@ def main() -> None:
                     default=["experiment=v5_hardce", "data.token_budget=1024",
                              "~callbacks.progress_bar", "trainer.enable_progress_bar=false"],
                     help="train.py overrides of both runs (default: the default experiment, "
-                         "batches of 1024 padded tokens so 2000 steps take ~30 min)")
+                         "batches of 1024 padded tokens so 2000 steps take ~40 min)")
     ap.add_argument("--name", default="soak", help="result file name")
     ap.add_argument("--results", default=str(RESULTS), help="where the result files go")
     args = ap.parse_args()
