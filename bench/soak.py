@@ -93,9 +93,17 @@ class Watched:
     RSS / fd count is sampled every ``interval`` seconds on another."""
 
     def __init__(self, arm: str, segment: int, args: list[str], cwd: Path, env: dict[str, str],
-                 log: Path, samples: list[Sample], t0: float, interval: float) -> None:
+                 log: Path, samples: list[Sample], t0: float, interval: float,
+                 kill: tuple[int, str, random.Random] | None = None) -> None:
         self.arm, self.segment, self.t0 = arm, segment, t0
         self.step, self.first_step = -1, -1
+        # (gap, signal, rng): the reader thread sends ``signal`` once the launch has printed
+        # ``gap`` steps past its first one, after a random share of one measured step, so the
+        # signal lands inside the next step at any machine speed: how many kills a run gets
+        # depends on the seed alone, never on timing.
+        self.kill = kill
+        self.sent: str | None = None
+        self.kids: list[int] = []
         self.log = log.open("w")
         self.proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -108,13 +116,23 @@ class Watched:
         self._sampler.start()
 
     def _read(self) -> None:
+        seen: list[float] = []  # arrival times of step lines: the launch's measured step time
         for line in self.proc.stdout:
             self.log.write(line)
             m = STEP_RE.search(line)
-            if m:
-                self.step = int(m.group(1))
-                if self.first_step < 0:
-                    self.first_step = self.step
+            if not m:
+                continue
+            self.step = int(m.group(1))
+            seen.append(time.time())
+            if self.first_step < 0:
+                self.first_step = self.step
+            if self.kill and self.sent is None and self.step >= self.first_step + self.kill[0]:
+                step_s = (seen[-1] - seen[0]) / max(len(seen) - 1, 1) if len(seen) > 1 else 0.0
+                time.sleep(self.kill[2].uniform(0.0, min(step_s, 1.0)))
+                self.kids = descendants(self.proc.pid)
+                if self.proc.poll() is None:
+                    os.kill(self.proc.pid, getattr(signal, self.kill[1]))
+                    self.sent = self.kill[1]
         self.log.flush()
 
     def _sample(self) -> None:
@@ -313,11 +331,11 @@ def main() -> None:
     samples: list[Sample] = []
     t0 = time.time()
 
-    def launch(arm: str, seg: int, extra: list[str]) -> Watched:
+    def launch(arm: str, seg: int, extra: list[str], kill=None) -> Watched:
         root = work / arm
         root.mkdir(exist_ok=True)
         return Watched(arm, seg, [*common, f"paths.log_dir={root}/outputs", *extra], root, env,
-                       root / f"launch{seg}.log", samples, t0, args.interval)
+                       root / f"launch{seg}.log", samples, t0, args.interval, kill)
 
     ref = launch("reference", 0, [])
     soak_root = work / "soak" / "outputs"
@@ -325,22 +343,10 @@ def main() -> None:
     while True:
         seg = len(segments)
         resume = newest_last_ckpt(work / "soak") is not None
-        w = launch("soak", seg, ["ckpt_path=last"] if resume else [])
-        gap = rng.randint(*args.kill_every)
-        sig_name = rng.choice(KILLS)
-        sent = None
-        while w.proc.poll() is None:
-            if w.first_step >= 0 and w.step >= w.first_step + gap:
-                time.sleep(rng.uniform(0.0, 1.0))  # somewhere inside the next step
-                kids = descendants(w.proc.pid)
-                if w.proc.poll() is None:
-                    os.kill(w.proc.pid, getattr(signal, sig_name))
-                    sent = sig_name
-                break
-            time.sleep(0.05)
-        else:
-            kids = []
+        kill = (rng.randint(*args.kill_every), rng.choice(KILLS), random.Random(rng.random()))
+        w = launch("soak", seg, ["ckpt_path=last"] if resume else [], kill)
         rc = w.wait(timeout=900)
+        sent, kids = w.sent, w.kids
         time.sleep(args.orphan_wait)  # helpers (the W&B service) watch their parent's PID
         orphans = [k for k in kids if alive(k)]
         for k in orphans:
