@@ -1,0 +1,118 @@
+"""The frozen lm_head and the position-weighted hard CE fused, chunk by chunk.
+
+``logits = hidden @ W.T`` over every slot of every block is the largest tensor of a DFlash
+step (N·Bs·V floats per sequence: 512 anchors x 16 slots x 150k vocab is 1.2e9 floats), and
+autograd keeps it, its log-softmax and their gradients alive until the backward. Here the
+logits of ``chunk_rows`` valid slots at a time are computed, reduced to (CE, argmax) and
+turned into the gradient w.r.t. the hidden states right away — ``W`` is frozen, so only
+``dL/dh = (softmax - onehot) · w @ W`` is needed, and it is ready at the end of the forward.
+
+Peak extra memory: ``chunk_rows · V · 4 bytes · 3`` (logits, probabilities, their
+compute-dtype copy) plus ``M · d`` for the gradient, where M is the number of valid slots —
+independent of the number of anchors. The un-fused path holds about
+``4 · B · N · Bs · V · 4 bytes``.
+
+Matmuls may run in a lower ``compute_dtype`` (bf16 on CPU is 2-4x faster than fp32 here);
+the softmax, CE and reductions are always float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dflash_lit.train.losses import IGNORE_INDEX, LossOutput, position_weights, valid_mask
+
+
+class _LinearCE(torch.autograd.Function):
+    """sum_i w_i · CE(h_i @ W.T, y_i), gradient only w.r.t. h (W is frozen)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, w: Tensor,
+                chunk_rows: int, compute_dtype: torch.dtype):
+        m = hidden.shape[0]
+        ce = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        pred = torch.empty(m, dtype=torch.long, device=hidden.device)
+        grad = torch.empty_like(hidden)
+        wc = weight.to(compute_dtype)
+        for s in range(0, m, chunk_rows):
+            e = min(s + chunk_rows, m)
+            logits = (hidden[s:e].to(compute_dtype) @ wc.T).float()  # [c, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            y = labels[s:e]
+            ce[s:e] = lse - logits.gather(1, y[:, None]).squeeze(1)
+            pred[s:e] = logits.argmax(-1)
+            # d(w·CE)/dlogits = w · (softmax - onehot), written into the logits buffer
+            probs = logits.sub_(lse[:, None]).exp_()
+            probs.scatter_add_(1, y[:, None], torch.full_like(lse[:, None], -1.0))
+            probs.mul_(w[s:e, None])
+            grad[s:e] = (probs.to(compute_dtype) @ wc).to(hidden.dtype)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(ce, pred)
+        return (w * ce).sum(), ce, pred
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_ce, _grad_pred):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    slot_weights: Tensor,
+    chunk_rows: int = 2048,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``Σ_i slot_weights_i · CE(hidden_i @ weight.T, labels_i)`` without materialising logits.
+
+    Args:
+        hidden: [M, d] rows to classify (the drafter's final-normed states of valid slots).
+        weight: [V, d] frozen output projection (``requires_grad`` must be False).
+        labels: [M] int64 class ids (no ignore entries: pass valid rows only).
+        slot_weights: [M] float32 weights (already normalised by the caller).
+        chunk_rows: rows per chunk (peak memory ~ 3 · chunk_rows · V floats).
+        compute_dtype: matmul dtype (default: ``hidden``'s); softmax/CE are float32.
+
+    Returns:
+        (loss scalar differentiable w.r.t. ``hidden``, per-row CE [M] float32, argmax [M]).
+    """
+    if weight.requires_grad:
+        raise ValueError("linear_cross_entropy: the lm_head weight must be frozen "
+                         "(requires_grad=False); only the input gradient is computed")
+    if chunk_rows < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_rows={chunk_rows} must be >= 1")
+    cd = compute_dtype or hidden.dtype
+    return _LinearCE.apply(hidden, weight, labels, slot_weights.float(), int(chunk_rows), cd)
+
+
+def fused_hard_ce(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    gamma: float | None,
+    chunk_rows: int = 2048,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[LossOutput, Tensor]:
+    """The ``hard_ce_loss`` of ``hidden @ weight.T`` without the [B, N, Bs, V] logits.
+
+    ``hidden`` [B, N, Bs, d], ``labels`` [B, N, Bs] (-100 = ignore). Returns the same
+    ``LossOutput`` as ``hard_ce_loss(lm_head(hidden), labels, gamma)`` and the drafter's
+    argmax per slot [B, N, Bs] (-100 where the slot is not valid), which is all the training
+    metrics need.
+    """
+    valid = valid_mask(labels)
+    w_pos = position_weights(labels.shape[-1], gamma, device=hidden.device)
+    w = w_pos.expand(valid.shape)[valid]
+    weight_sum = w.sum()
+    w_norm = w / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
+    loss, ce, pred_v = linear_cross_entropy(
+        hidden[valid], weight, labels[valid], w_norm, chunk_rows, compute_dtype
+    )
+    per_slot = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)
+    per_slot[valid] = ce
+    pred = torch.full(valid.shape, IGNORE_INDEX, dtype=torch.long, device=hidden.device)
+    pred[valid] = pred_v
+    return LossOutput(loss=loss, per_slot_ce=per_slot, weight_sum=weight_sum.detach(),
+                      n_valid=valid.sum()), pred
