@@ -22,7 +22,7 @@ from train_utils import REPO, run_train
 
 from dflash_lit.targets import smollm2
 
-pytestmark = pytest.mark.skipif(
+needs_wheel = pytest.mark.skipif(
     not smollm2.wheel_available(),
     reason=f"the {smollm2.WHEEL} wheel (+ gguf, accelerate) is not installed: {smollm2.INSTALL}",
 )
@@ -37,6 +37,7 @@ def target_dir() -> Path:
     return smollm2.default_dir()
 
 
+@needs_wheel
 def test_config_resolves_to_the_built_dir_and_its_mask_token(target_dir):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["target=smollm2", "data=smollm2"])
@@ -57,9 +58,20 @@ def test_missing_target_dir_is_one_line_with_the_build_command(tmp_path):
         target_hf_config(t)
     msg = str(e.value)
     assert "\n" not in msg and "does not exist" in msg
-    assert f"python -m dflash_lit.targets.smollm2 build --out {tmp_path / 'smollm2'}" in msg
+    cmd = f"python -m dflash_lit.targets.smollm2 build --out {tmp_path / 'smollm2'}"
+    assert cmd in msg
+    from dflash_lit.data.regenerate import _load_tokenizer  # regenerate.py
+
+    with pytest.raises(FileNotFoundError, match="build it: " + cmd):
+        _load_tokenizer(str(tmp_path / "smollm2"))
+    spec = importlib.util.spec_from_file_location("dflash_evaluate", REPO / "evaluate.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    with pytest.raises(FileNotFoundError, match="build it: " + cmd):
+        ev.resolve_target_path(OmegaConf.create({"target": str(tmp_path / "smollm2")}), {})
 
 
+@needs_wheel
 def test_regenerate_train_evaluate(target_dir, tmp_path):
     from dflash_lit.data.regenerate import run as regenerate
 
