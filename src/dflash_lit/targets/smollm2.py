@@ -302,9 +302,11 @@ def build(out: Path | None = None, force: bool = False, log: Callable[[str], Non
 def require_built(path: str | Path) -> None:
     """Raise FileNotFoundError with the one-line build command when ``path`` is not built."""
     if not (Path(path).expanduser() / "config.json").is_file():
-        from dflash_lit.targets import missing_target_message
+        from dflash_lit.targets import build_hint
 
-        raise FileNotFoundError(missing_target_message(path) or f"{path}: not built")
+        p = Path(path).expanduser()
+        hint = build_hint(p) or f" (build it: {BUILD} --out {p})"
+        raise FileNotFoundError(f"target {p}: not built{hint}")
 
 
 # ---------------------------------------------------------------------------- data + CLI
