@@ -70,7 +70,10 @@ def resolve_target_path(cfg: DictConfig, info_target: dict[str, Any]) -> str:
     looks_local = p.is_absolute() or str(path).startswith(".") or len(p.parts) > 2
     if looks_local and not p.exists():
         where = "target=" if cfg.target else "the checkpoint's dflash.target.path"
-        raise FileNotFoundError(f"target {path} (from {where}) does not exist; pass target=<path>")
+        from dflash_lit.targets import build_hint
+
+        raise FileNotFoundError(f"target {path} (from {where}) does not exist; pass "
+                                f"target=<path>{build_hint(path)}")
     return str(path)
 
 

@@ -14,10 +14,12 @@ from dflash_lit.tiny.random_targets import (
     PAD_ID,
     save_tiny,
     tiny_hybrid,
+    tiny_llama,
     tiny_qwen3,
 )
 
-BUILDERS = {"qwen3": tiny_qwen3, "hybrid": tiny_hybrid}
+# llama: tied embeddings (lm_head.weight is embed_tokens.weight), the SmolLM2 layout
+BUILDERS = {"qwen3": tiny_qwen3, "hybrid": tiny_hybrid, "llama": tiny_llama}
 L = 8  # decoder layers of the tiny targets
 
 

@@ -17,9 +17,18 @@ def repo_root() -> str:
     return str(here if (here / "conf").is_dir() else Path.cwd())
 
 
+def dflash_cache() -> str:
+    """Cache of built targets: ``$DFLASH_CACHE`` or ``~/.cache/dflash-lit`` (``~`` expanded)."""
+    from dflash_lit.targets import cache_root
+
+    return str(cache_root())
+
+
 def register() -> None:
     if not OmegaConf.has_resolver("repo_root"):
         OmegaConf.register_new_resolver("repo_root", repo_root)
+    if not OmegaConf.has_resolver("dflash_cache"):
+        OmegaConf.register_new_resolver("dflash_cache", dflash_cache)
 
 
 register()

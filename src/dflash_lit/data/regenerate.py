@@ -242,9 +242,13 @@ def _load_tokenizer(target: str):
     from transformers import AutoTokenizer
 
     if not Path(target).exists():
+        from dflash_lit.targets import build_hint
+
+        hint = build_hint(target) or (
+            " (the embedded tiny target is built by `python -m dflash_lit.tiny build`)")
         raise FileNotFoundError(
-            f"target.path: {target} does not exist; pass target.path=<HF model/tokenizer dir> "
-            "(the embedded tiny target is built by `python -m dflash_lit.tiny build`)"
+            f"target.path: {target} does not exist; pass target.path=<HF model/tokenizer dir>"
+            + hint
         )
     try:
         return AutoTokenizer.from_pretrained(target)

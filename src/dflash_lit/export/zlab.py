@@ -7,6 +7,7 @@ that takes "input of layer" ids would need id + 1 (DESIGN §2, NOTES).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,13 +58,19 @@ def serve_readme(drafter: DFlashDrafter, out_dir: Path, info: DrafterInfo) -> st
             "not exist for it: this drafter will not reproduce its training features there.\n"
         )
     src = f"{info.path}" + (f" (drafter `{info.name}`)" if info.name else "")
+    t = info.target
+    arch = "".join([
+        f", {'/'.join(t['architectures'])}" if t.get("architectures") else
+        (f", model_type {t['model_type']}" if t.get("model_type") else ""),
+        ", tied embeddings: its lm_head is embed_tokens" if t.get("tie_word_embeddings") else "",
+    ])
     return f"""# DFlash drafter
 
 Exported by dflash-lit from `{src}`.
 
 - block size: {c.block_size} (`num_speculative_tokens` = {spec})
 - drafter layers: {c.num_hidden_layers}, hidden size {c.hidden_size}, mask token id {c.mask_token_id}
-- target: `{target}` ({c.num_target_layers} layers, vocab {c.vocab_size or "unrecorded"})
+- target: `{target}` ({c.num_target_layers} layers, vocab {c.vocab_size or "unrecorded"}{arch})
 - context layers (z-lab ids, output of decoder layer i): `{ids}`
 {warn}
 ## vLLM
@@ -90,6 +97,28 @@ EAGLE-3-style auxiliary layer ids), pass z-lab id + 1: `{engine_ids}`.
 The drafter has no embedding or lm_head of its own: it uses the target's (`tie_word_embeddings:
 false`, no `embed_tokens` / `lm_head` tensors here).
 """
+
+
+# Target facts recorded at training (ckpt["dflash"]["target"]) copied into the export.
+TARGET_KEYS = ("model_type", "architectures", "num_layers", "hidden_size", "vocab_size",
+               "tie_word_embeddings", "path")
+
+
+def target_summary(target: dict[str, Any]) -> dict[str, Any]:
+    """The target's architecture as recorded at training (empty for a z-lab source)."""
+    return {k: target[k] for k in TARGET_KEYS if target.get(k) is not None}
+
+
+def _record_target(config_json: Path, target: dict[str, Any]) -> None:
+    """Add ``dflash_target`` (the target's model_type, architectures, layers, hidden size,
+    vocab, tied embeddings) to the exported config.json. Serving engines read only the z-lab
+    keys; this names the target the drafter's ids, sizes and shared embeddings belong to."""
+    summary = target_summary(target)
+    if not summary:
+        return
+    cfg = json.loads(config_json.read_text())
+    cfg["dflash_target"] = summary
+    config_json.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 @torch.no_grad()
@@ -138,6 +167,7 @@ def export_zlab(
             f"out={out} exists, is not empty and is not a drafter directory; choose a new folder"
         )
     drafter.save_pretrained(out, dtype=td)
+    _record_target(out / "config.json", info.target)
     (out / "README.md").write_text(serve_readme(drafter, out, info))
     reloaded = DFlashDrafter.from_pretrained(out)
     src_state = drafter.state_dict()

@@ -1,6 +1,8 @@
 """Tiny randomly initialised HF targets for tests (deterministic from a seed, CPU-fast).
 
 - ``tiny_qwen3``: ``transformers.Qwen3ForCausalLM`` / ``Qwen3Config`` (dense Qwen3).
+- ``tiny_llama``: ``transformers.LlamaForCausalLM`` / ``LlamaConfig`` with tied input/output
+  embeddings (the SmolLM2 layout: ``lm_head.weight`` *is* ``embed_tokens.weight``).
 - ``tiny_hybrid``: ``transformers.Qwen3_5ForCausalLM`` / ``Qwen3_5TextConfig`` (model_type
   ``qwen3_5_text``), the text-only Qwen3.5 (and Qwen3.6) class: Gated DeltaNet
   ``linear_attention`` layers with a ``full_attention`` layer every ``full_attention_interval``
@@ -21,6 +23,8 @@ from typing import Any
 
 import torch
 from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
     PreTrainedModel,
     Qwen3_5ForCausalLM,
     Qwen3_5TextConfig,
@@ -78,6 +82,44 @@ def tiny_qwen3(
         **config_overrides,
     )
     return _build(Qwen3ForCausalLM, config, seed)
+
+
+def tiny_llama(
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 8,
+    seed: int = 0,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = True,
+    rope_theta: float = 100_000.0,
+    **config_overrides: Any,
+) -> LlamaForCausalLM:
+    """A random ``LlamaForCausalLM`` (eval mode, float32), same weights per seed.
+
+    Defaults follow SmolLM2's layout: tied embeddings, RoPE base 1e5, no q/k norm, no biases.
+    """
+    _check_vocab(vocab_size)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        **config_overrides,
+    )
+    return _build(LlamaForCausalLM, config, seed)
 
 
 def tiny_hybrid(

