@@ -18,7 +18,10 @@ class PadCollator:
     - ``input_ids`` [B, S] int64, ``pad_token_id`` on padding;
     - ``loss_mask`` [B, S] int64, 0 on padding;
     - ``attention_mask`` [B, S] int64, 1 on real tokens;
-    - ``lengths`` [B] int64 real lengths; ``index`` [B] int64 dataset row indices.
+    - ``lengths`` [B] int64 real lengths; ``index`` [B] int64 dataset row indices;
+    - with cached target features (``data.features=cache``): ``target_hidden`` [B, S, F]
+      float32 and ``target_argmax`` [B, S] int64 (0 on padding), and with a top-k cache
+      ``target_topk_ids`` [B, S, k] int64 / ``target_topk_logits`` [B, S, k] float32.
 
     ``S`` is the longest length, rounded up to ``pad_to_multiple_of``.
     """
@@ -50,13 +53,16 @@ class PadCollator:
             mask[i, :n] = s["loss_mask"]
         attn = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
         index = np.array([int(s.get("index", -1)) for s in samples], dtype=np.int64)
-        return {
+        batch = {
             "input_ids": torch.from_numpy(ids),
             "loss_mask": torch.from_numpy(mask),
             "attention_mask": torch.from_numpy(attn),
             "lengths": torch.from_numpy(lengths),
             "index": torch.from_numpy(index),
         }
+        if "target_hidden" in samples[0]:
+            batch.update(_collate_features(samples, lengths, seq))
+        return batch
 
 
 def collate_batch(
@@ -64,3 +70,30 @@ def collate_batch(
 ) -> dict[str, torch.Tensor]:
     """Functional form of :class:`PadCollator` (see there for the batch layout)."""
     return PadCollator(pad_token_id)(samples)
+
+
+def _collate_features(samples: Sequence[Mapping[str, Any]], lengths: np.ndarray,
+                      seq: int) -> dict[str, torch.Tensor]:
+    """Right-pad cached target features (zeros on padding, like an unused position)."""
+    from dflash_lit.data.features import to_tensor
+
+    bsz, dim = len(samples), samples[0]["target_hidden"].shape[1]
+    hidden = torch.zeros(bsz, seq, dim, dtype=torch.float32)
+    argmax = torch.zeros(bsz, seq, dtype=torch.long)
+    topk = "target_topk" in samples[0]
+    if topk:
+        k = samples[0]["target_topk"][0].shape[1]
+        tk_ids = torch.zeros(bsz, seq, k, dtype=torch.long)
+        tk_val = torch.zeros(bsz, seq, k, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        n = int(lengths[i])
+        hidden[i, :n] = to_tensor(s["target_hidden"])
+        argmax[i, :n] = torch.from_numpy(s["target_argmax"].astype(np.int64))
+        if topk:
+            ids_i, val_i = s["target_topk"]
+            tk_ids[i, :n] = torch.from_numpy(ids_i.astype(np.int64))
+            tk_val[i, :n] = torch.from_numpy(np.array(val_i))
+    out = {"target_hidden": hidden, "target_argmax": argmax}
+    if topk:
+        out.update(target_topk_ids=tk_ids, target_topk_logits=tk_val)
+    return out

@@ -282,6 +282,8 @@ class ShardDataset(torch.utils.data.Dataset):
         self.rows = np.asarray(rows, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self._ids: list[str] | None = None
+        # cached target features (data.features=cache): items gain target_hidden/_argmax
+        self.features: Any = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -290,6 +292,7 @@ class ShardDataset(torch.utils.data.Dataset):
         """A view holding rows ``positions`` of this dataset (indices renumbered from 0)."""
         pos = np.asarray(positions, dtype=np.int64)
         out = ShardDataset(self._parts, self.files, self.rows[pos], self.lengths[pos])
+        out.features = self.features
         if self._ids is not None:
             out._ids = [self._ids[i] for i in pos.tolist()]
         return out
@@ -342,6 +345,12 @@ class ShardDataset(torch.utils.data.Dataset):
                 for name, (o, v) in cols.items():
                     row[name] = v[o[j] : o[j] + n]
                 row["index"] = int(idx[k])
+                if self.features is not None:
+                    r = int(raw[k])
+                    row["target_hidden"] = self.features.hidden(r, n)
+                    row["target_argmax"] = self.features.argmax(r, n)
+                    if self.features.topk:
+                        row["target_topk"] = self.features.topk(r, n)
                 out[k] = row
         return out
 

@@ -99,3 +99,10 @@ def gather_target_logits(target_logits: Tensor, layout: BlockLayout) -> Tensor:
     idx = layout.target_positions().flatten(1)  # [B, N*Bs]
     out = torch.gather(target_logits, 1, idx[:, :, None].expand(-1, -1, target_logits.shape[-1]))
     return out.view(b, n, bs, -1)
+
+
+def gather_target_argmax(argmax: Tensor, layout: BlockLayout) -> Tensor:
+    """[B, S] target greedy ids -> [B, N, Bs]: slot k gets the argmax at position a+k-1, the
+    token greedy verification accepts at position a+k."""
+    idx = layout.target_positions().flatten(1)
+    return torch.gather(argmax, 1, idx).view(layout.block_pos.shape)

@@ -38,6 +38,7 @@ class TargetOutput:
     logits: torch.Tensor | None
     layers: list[torch.Tensor]
     cache: Any = None
+    argmax: torch.Tensor | None = None  # [B, S] the target's greedy next token (cached features)
 
 
 class _StopForward(Exception):
@@ -281,3 +282,94 @@ class FrozenTarget(nn.Module):
             f"layer_ids={self.layer_ids}, num_layers={self.num_layers}, "
             f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}"
         )
+
+
+class TargetHeads(nn.Module):
+    """The two pieces of a target a drafter needs when its features are cached: the frozen
+    ``embed_tokens`` and ``lm_head``. The decoder layers are never loaded (``forward`` raises).
+
+    Exposes the attributes the training module reads from a ``FrozenTarget``.
+    """
+
+    def __init__(self, embed: nn.Embedding, lm_head: nn.Linear, num_layers: int,
+                 layer_ids: list[int]) -> None:
+        super().__init__()
+        self.__dict__["_embed_tokens"] = embed
+        self.__dict__["_lm_head"] = lm_head
+        self._mods = nn.ModuleList([embed, lm_head])  # so .to() moves both
+        self.num_layers = int(num_layers)
+        self.layer_ids = list(layer_ids)
+        self.hidden_size = int(embed.weight.shape[1])
+        self.vocab_size = int(lm_head.weight.shape[0])
+        self.requires_grad_(False)
+        super().train(False)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, layer_ids: list[int]) -> TargetHeads:
+        t = FrozenTarget(model, layer_ids)
+        return cls(t.embed_tokens, t.lm_head, t.num_layers, t.layer_ids)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, layer_ids: list[int],
+                        dtype: torch.dtype = torch.float32) -> TargetHeads:
+        """Read only the embedding and output matrices from an HF dir's safetensors."""
+        import json
+
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(path))
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        found: dict[str, torch.Tensor] = {}
+        files = sorted(Path(path).glob("*.safetensors"))
+        index = Path(path) / "model.safetensors.index.json"
+        if index.is_file():  # sharded: open only the shards holding the two matrices
+            wmap = json.loads(index.read_text())["weight_map"]
+            files = sorted({Path(path) / f for k, f in wmap.items()
+                            if k.endswith(("embed_tokens.weight", "lm_head.weight"))})
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    if k.endswith("embed_tokens.weight") and "embed" not in found:
+                        found["embed"] = st.get_tensor(k)
+                    elif k.endswith("lm_head.weight"):
+                        found["head"] = st.get_tensor(k)
+        if "embed" not in found:
+            raise ValueError(f"target.path={path}: no *embed_tokens.weight in its safetensors")
+        if "head" not in found:
+            if not getattr(cfg, "tie_word_embeddings", False):
+                raise ValueError(f"target.path={path}: no lm_head.weight and the embeddings "
+                                 "are not tied")
+            found["head"] = found["embed"]
+        emb = nn.Embedding(*found["embed"].shape, _weight=found["embed"].to(dtype))
+        head = nn.Linear(found["head"].shape[1], found["head"].shape[0], bias=False)
+        head.weight = nn.Parameter(found["head"].to(dtype)) if found["head"] is not found[
+            "embed"] else emb.weight
+        layers = int(cfg.num_hidden_layers)
+        bad = [i for i in layer_ids if not 0 <= int(i) < layers]
+        if bad:
+            raise ValueError(f"layer_ids {bad} out of range for a target with {layers} layers")
+        return cls(emb, head, layers, layer_ids)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def train(self, mode: bool = True) -> TargetHeads:
+        return super().train(False)
+
+    def forward(self, *args: Any, **kwargs: Any) -> TargetOutput:
+        raise RuntimeError("this target was loaded without its decoder layers (features=cache): "
+                           "its features come from the cache, not from a forward")

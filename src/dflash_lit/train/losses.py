@@ -57,6 +57,8 @@ class DrafterLoss(Protocol):
     """A configured loss: ``loss_fn(logits, labels, target_logits) -> LossOutput``."""
 
     needs_target_logits: bool
+    needs_target_distribution: bool
+    label_source: str
 
     def __call__(
         self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
@@ -141,6 +143,15 @@ def target_argmax_labels(target_logits: Tensor, labels: Tensor) -> Tensor:
         )
     valid = valid_mask(labels)
     return torch.where(valid, target_logits.argmax(-1), torch.full_like(labels, IGNORE_INDEX))
+
+
+def resolve_argmax_labels(argmax_per_slot: Tensor, labels: Tensor) -> Tensor:
+    """Labels = the target's greedy ids [B, N, Bs] at every valid slot; -100 elsewhere.
+
+    The same labels as ``target_argmax_labels`` from ids alone (a cache stores ids, not
+    logits)."""
+    return torch.where(valid_mask(labels), argmax_per_slot.to(labels.dtype),
+                       torch.full_like(labels, IGNORE_INDEX))
 
 
 def _scatter_slots(values: Tensor, valid: Tensor) -> Tensor:
@@ -284,13 +295,24 @@ class HardCELoss:
 
     @property
     def needs_target_logits(self) -> bool:
-        """Whether the module must compute the target's logits for this loss."""
+        """Whether the module must compute the target's logits (here: for their argmax)."""
         return self.labels == "target_argmax"
+
+    needs_target_distribution = False  # the argmax ids suffice (a feature cache stores them)
+
+    @property
+    def label_source(self) -> str:
+        return self.labels
 
     def __call__(
         self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
     ) -> LossOutput:
         return hard_ce_loss(logits, _resolve_labels(self.labels, labels, target_logits), self.gamma)
+
+    def with_labels(self, logits: Tensor, labels: Tensor,
+                    target_logits: Tensor | None = None) -> LossOutput:
+        """The loss for labels already resolved from ``label_source``."""
+        return hard_ce_loss(logits, labels, self.gamma)
 
 
 @dataclass(frozen=True)
@@ -314,9 +336,21 @@ class CompositeLoss:
         """Always True: the KL term needs the target's logits."""
         return True
 
+    needs_target_distribution = True  # the KL term: full logits online, top-k from a cache
+
+    @property
+    def label_source(self) -> str:
+        return self.labels
+
     def __call__(
         self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
     ) -> LossOutput:
+        return self.with_labels(logits, _resolve_labels(self.labels, labels, target_logits),
+                                target_logits)
+
+    def with_labels(self, logits: Tensor, labels: Tensor,
+                    target_logits: Tensor | None = None) -> LossOutput:
+        """The loss for CE labels already resolved from ``label_source``."""
         if target_logits is None:
             raise ValueError(
                 "loss.name=composite needs the target's logits (its KL term), but target_logits "
@@ -324,7 +358,7 @@ class CompositeLoss:
             )
         return composite_loss(
             logits,
-            _resolve_labels(self.labels, labels, target_logits),
+            labels,
             target_logits,
             gamma=self.gamma,
             kl_weight=self.kl_weight,

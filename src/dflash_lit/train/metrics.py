@@ -55,10 +55,22 @@ def _nan_div(num: Tensor, den: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- pure functions
+def predictions(logits: Tensor, labels: Tensor, where: str) -> Tensor:
+    """Top-1 ids [B, N, Bs] from logits [B, N, Bs, V], or ``logits`` itself when it already
+    holds predictions [B, N, Bs] (the fused loss returns ids, never logits)."""
+    if logits.dim() == 3 and not logits.is_floating_point():
+        if logits.shape != labels.shape:
+            raise ValueError(f"{where}: predictions {tuple(logits.shape)} must have the labels' "
+                             f"shape {tuple(labels.shape)}")
+        return logits
+    check_block_inputs(logits, labels, where=where)
+    return logits.detach().argmax(-1)
+
+
 def block_correct(logits: Tensor, labels: Tensor) -> Tensor:
-    """[B, N, Bs] bool: valid slot whose top-1 prediction equals its label."""
-    check_block_inputs(logits, labels, where="block_correct")
-    return valid_mask(labels) & (logits.detach().argmax(-1) == labels)
+    """[B, N, Bs] bool: valid slot whose top-1 prediction equals its label (``logits`` may
+    be predicted ids [B, N, Bs])."""
+    return valid_mask(labels) & (predictions(logits, labels, "block_correct") == labels)
 
 
 def valid_blocks(labels: Tensor) -> Tensor:
@@ -207,16 +219,19 @@ class DrafterMetrics(Metric):
     def update(
         self, logits: Tensor, labels: Tensor, loss: LossOutput | Tensor | None = None
     ) -> None:
-        """Add one batch (``logits`` [B, N, Bs, V], ``labels`` [B, N, Bs])."""
-        check_block_inputs(logits, labels, where="DrafterMetrics.update")
-        if logits.shape[2] != self.block_size:
+        """Add one batch (``logits`` [B, N, Bs, V] or predicted ids [B, N, Bs]; ``labels``
+        [B, N, Bs]). Tree budgets need the logits."""
+        pred = predictions(logits, labels, "DrafterMetrics.update")
+        if self.tree_budgets and logits.dim() == 3:
+            raise ValueError("DrafterMetrics.update: ddtree budgets need the logits, got ids")
+        if labels.shape[2] != self.block_size:
             raise ValueError(
-                f"DrafterMetrics.update: logits have block size {logits.shape[2]}, the metric "
+                f"DrafterMetrics.update: blocks have size {labels.shape[2]}, the metric "
                 f"was built for block_size={self.block_size}"
             )
         logits = logits.detach()
         valid = valid_mask(labels)
-        correct = valid & (logits.argmax(-1) == labels)
+        correct = valid & (pred == labels)
         vb = valid.any(-1)
         self.n_valid += valid.sum()
         self.n_correct += correct.sum()

@@ -20,10 +20,11 @@ from torch import Tensor, nn
 
 from dflash_lit.model.block_forward import draft_hidden
 from dflash_lit.model.drafter import DFlashDrafter
-from dflash_lit.model.layout import build_layout, gather_target_logits
-from dflash_lit.model.target import FrozenTarget
+from dflash_lit.model.layout import build_layout, gather_target_argmax, gather_target_logits
+from dflash_lit.model.target import FrozenTarget, TargetOutput
 from dflash_lit.train.anchors import fixed_anchors, sample_anchors, step_generator
-from dflash_lit.train.losses import build_loss
+from dflash_lit.train.linear_ce import fused_hard_ce
+from dflash_lit.train.losses import HardCELoss, build_loss, resolve_argmax_labels
 from dflash_lit.train.metrics import DrafterMetrics, accuracy, streak
 from dflash_lit.train.schedules import lr_factor, max_anchors_at, noise_sigma
 from dflash_lit.train.spec import DrafterSpec
@@ -55,6 +56,8 @@ class DFlashModule(L.LightningModule):
         log_tree_budgets: tuple[int, ...] = (),
         max_nonfinite_in_row: int = 10,
         target_info: dict[str, Any] | None = None,
+        head_dtype: torch.dtype | None = None,
+        loss_chunk_rows: int = 2048,
     ) -> None:
         super().__init__()
         if not specs:
@@ -86,7 +89,15 @@ class DFlashModule(L.LightningModule):
         self._layer_index = {
             s.name: [self.capture_ids.index(i) for i in s.model.target_layer_ids] for s in specs
         }
+        # online: the target computes its logits when a loss needs their argmax or the full
+        # distribution; only the composite/KL losses keep the distribution past the argmax
         self.need_logits = any(loss.needs_target_logits for loss in self.losses.values())
+        self.need_distribution = any(loss.needs_target_distribution
+                                     for loss in self.losses.values())
+        # hard CE runs fused with the frozen lm_head (linear_ce): matmuls in head_dtype (bf16
+        # where the machine measures it faster), softmax/CE in fp32, chunk_rows slots at a time
+        self.head_dtype = head_dtype
+        self.loss_chunk_rows = int(loss_chunk_rows)
         bs = {s.name: s.model.block_size for s in specs}
         self.train_metrics = nn.ModuleDict({n: DrafterMetrics(bs[n]) for n in names})
         self.val_metrics = nn.ModuleDict(
@@ -153,7 +164,10 @@ class DFlashModule(L.LightningModule):
             z = torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
         return x + sigma * z
 
-    def _forward_drafter(self, name, batch, out, step, train: bool):
+    def _forward_drafter(self, name, batch, out, step, train: bool, need_logits: bool = False):
+        """(logits [B, N, Bs, V] or argmax predictions [B, N, Bs], layout with resolved labels,
+        LossOutput). The fused hard-CE path never forms the logits; ``need_logits`` forces
+        them (offline tree metrics at validation)."""
         spec = self.specs[name]
         drafter = self.drafters[name]
         ids, lm, am = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
@@ -168,15 +182,38 @@ class DFlashModule(L.LightningModule):
                               spec.model.mask_token_id, am)
         hidden = draft_hidden(drafter, self._target.embed_tokens, th, layout,
                               backend=self.attention, compile_mask=self.compile_mask)
+        loss = self.losses[name]
+        if loss.label_source == "target_argmax":
+            layout.labels = resolve_argmax_labels(gather_target_argmax(out.argmax, layout),
+                                                  layout.labels)
+        if isinstance(loss, HardCELoss) and not need_logits:
+            weight = self._target.lm_head.weight
+            loss_out, pred = fused_hard_ce(hidden.to(weight.dtype), weight, layout.labels,
+                                           loss.gamma, self.loss_chunk_rows, self.head_dtype)
+            return pred, layout, loss_out
         logits = self._target.lm_head(hidden.to(self._target.dtype))
         tgt = gather_target_logits(out.logits, layout) if out.logits is not None else None
-        loss_out = self.losses[name](logits, layout.labels, tgt)
-        return logits, layout, loss_out
+        return logits, layout, loss.with_labels(logits, layout.labels, tgt)
 
-    def _target_forward(self, batch):
-        return self._target(
+    def _target_forward(self, batch) -> TargetOutput:
+        """The target's captured layers and greedy ids: from the batch when the features are
+        cached (``features=cache``), else from one frozen forward."""
+        if "target_hidden" in batch:
+            logits = None
+            if self.need_distribution:
+                logits = topk_logits_dense(batch["target_topk_ids"],
+                                           batch["target_topk_logits"], self._target.vocab_size)
+            return TargetOutput(hidden=batch["target_hidden"], logits=logits, layers=[],
+                                argmax=batch["target_argmax"])
+        out = self._target(
             batch["input_ids"], attention_mask=batch["attention_mask"], need_logits=self.need_logits
         )
+        if out.logits is not None:
+            out.argmax = out.logits.argmax(-1)
+            if not self.need_distribution and bool(torch.isfinite(out.logits).all()):
+                out.logits = None  # [B, S, V]: only its argmax is used (non-finite: kept for
+                # the step's finiteness check)
+        return out
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
@@ -284,7 +321,9 @@ class DFlashModule(L.LightningModule):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self._target_forward(batch)
         for name in self.drafters:
-            logits, layout, lo = self._forward_drafter(name, batch, out, self.global_step, False)
+            trees = bool(self.val_metrics[name].tree_budgets)
+            logits, layout, lo = self._forward_drafter(name, batch, out, self.global_step, False,
+                                                       need_logits=trees)
             self.val_metrics[name].update(logits, layout.labels, lo)
 
     def on_validation_epoch_end(self) -> None:
@@ -345,6 +384,14 @@ class DFlashModule(L.LightningModule):
         self.nonfinite_total = int(meta.get("nonfinite_total", 0))
         self.tokens_seen = int(meta.get("tokens_seen", 0))
         self.nonfinite_in_row = int(meta.get("nonfinite_in_row", 0))
+
+
+def topk_logits_dense(ids: Tensor, values: Tensor, vocab: int) -> Tensor:
+    """[B, S, V] logits from cached top-k: the k stored logits, -1e4 elsewhere (probability
+    exactly 0 in float32 after a softmax), i.e. the target's distribution renormalised over
+    its top k."""
+    out = torch.full((*ids.shape[:-1], vocab), -1e4, dtype=values.dtype, device=values.device)
+    return out.scatter_(-1, ids, values)
 
 
 def _isnan(v) -> bool:

@@ -1,0 +1,240 @@
+"""``features=cache``: run the frozen target once per data row and train from what it saved.
+
+The cache of a split lives in ``<features.dir>/<hash of its fingerprint>/`` (or an explicit
+``features.path``). The fingerprint names everything the stored numbers depend on — target
+weights, dtype and attention kernel, captured layer ids, tokenizer, data files, length
+policy, storage dtype and top-k — so a cache is reused only by runs that would compute the
+same features; an explicit path made from anything else is refused before training, naming
+what differs.
+
+It is built before training (``python train.py features=cache ...`` builds what is missing,
+with a progress bar, then trains; several processes on one machine wait on a file lock for
+the first one's build). A separate pass keeps resume and DDP exactly as they are: the
+training loop only ever reads finished caches.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from dflash_lit.data.features import (
+    FORMAT_VERSION,
+    FeatureCacheError,
+    FeatureStore,
+    FeatureWriter,
+    check_store_dtype,
+    fingerprint_diff,
+    read_manifest,
+    write_manifest,
+)
+from dflash_lit.data.shards import find_shards
+
+MODES = ("online", "cache")
+
+
+def _file_digest(path: Path, full_limit: int = 1 << 30) -> str:
+    """sha256 of a file (files over ``full_limit``: size + first and last 16 MiB)."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if size <= full_limit:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        else:
+            h.update(str(size).encode())
+            h.update(f.read(16 << 20))
+            f.seek(size - (16 << 20))
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def target_fingerprint(tcfg: DictConfig) -> dict[str, Any]:
+    """What the target's numbers depend on: weights (or the random build), dtype, kernel."""
+    fp: dict[str, Any] = {"dtype": tcfg.get("dtype", "float32"),
+                          "attn_implementation": tcfg.get("attn_implementation", "sdpa")}
+    if tcfg.get("path"):
+        p = Path(tcfg.path)
+        files = sorted([*p.glob("*.safetensors"), *p.glob("*.bin"), p / "config.json"])
+        fp["weights"] = {f.name: _file_digest(f) for f in files if f.is_file()}
+        tok = [p / n for n in ("tokenizer.json", "tokenizer_config.json") if (p / n).is_file()]
+        fp["tokenizer"] = {f.name: _file_digest(f) for f in tok}
+    else:
+        fp["build"] = OmegaConf.to_container(tcfg.build, resolve=True)
+    return fp
+
+
+def split_fingerprint(cfg: DictConfig, data_path: str, capture_ids: list[int],
+                      topk: int) -> dict[str, Any]:
+    """The full fingerprint of one split's cache."""
+    files = find_shards(data_path)
+    return {
+        "format": FORMAT_VERSION,
+        "target": target_fingerprint(cfg.target),
+        "layer_ids": list(capture_ids),
+        "data": {f.name: _file_digest(f) for f in files},
+        "max_length": int(cfg.data.max_length),
+        "overlength": str(cfg.data.overlength),
+        "dtype": str(cfg.features.dtype),
+        "topk": int(topk),
+    }
+
+
+def _hash(fp: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@contextmanager
+def _lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def resolve_topk(fcfg: DictConfig, need_distribution: bool) -> int:
+    """Top-k logits to store: ``features.topk`` or, when null, 64 if a loss needs the target's
+    distribution (composite KL) and 0 otherwise (hard CE needs the argmax only)."""
+    k = fcfg.get("topk")
+    if k is None:
+        return 64 if need_distribution else 0
+    if int(k) < 0 or (need_distribution and int(k) == 0):
+        raise FeatureCacheError(
+            f"features.topk={k}: a loss here needs the target's distribution (composite KL); "
+            "store its top-k logits (features.topk=64) or use features=online")
+    return int(k)
+
+
+def check_features_config(fcfg: DictConfig) -> str:
+    mode = str(fcfg.get("mode", "online"))
+    if mode not in MODES:
+        raise FeatureCacheError(f"features.mode={mode!r}: use one of {list(MODES)}")
+    if mode == "cache":
+        check_store_dtype(str(fcfg.dtype))
+        if int(fcfg.batch_tokens) < 1:
+            raise FeatureCacheError(f"features.batch_tokens={fcfg.batch_tokens} must be >= 1")
+    return mode
+
+
+def ensure_cache(cfg: DictConfig, dataset, data_path: str, what: str, capture_ids: list[int],
+                 topk: int, load_target) -> FeatureStore:
+    """The finished cache of ``dataset`` (built now when missing); refuses a stale one.
+
+    ``load_target`` is called (once) only when a build is needed.
+    """
+    fp = split_fingerprint(cfg, data_path, capture_ids, topk)
+    fcfg = cfg.features
+    split = "val" if what == "data.val_path" else "train"
+    out = Path(fcfg.path) / split if fcfg.get("path") else Path(fcfg.dir) / _hash(fp)
+    with _lock(out.parent / f".{out.name}.lock"):
+        manifest = read_manifest(out)
+        if manifest is not None:
+            diff = fingerprint_diff(manifest.get("fingerprint", {}), fp)
+            if diff:
+                raise FeatureCacheError(
+                    f"feature cache {out} (for {what}) was made from other inputs: {diff} "
+                    "differ; delete it, point features.path elsewhere, or drop features.path "
+                    "to get a cache per fingerprint")
+            return FeatureStore(out)
+        if out.exists():  # a build killed part-way: nothing in it is trusted
+            shutil.rmtree(out)
+        build_cache(load_target(), dataset, out, fp, int(fcfg.batch_tokens), topk, what)
+    return FeatureStore(out)
+
+
+def build_cache(target, dataset, out: Path, fp: dict[str, Any], batch_tokens: int, topk: int,
+                what: str = "data") -> None:
+    """Run ``target`` over every row of ``dataset`` (length-sorted batches of at most
+    ``batch_tokens`` padded tokens) and write the cache to ``out`` (atomically renamed)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from dflash_lit.data.collate import PadCollator
+
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    order = np.argsort(dataset.lengths, kind="stable")
+    batches, cur = [], []
+    for i in order.tolist():
+        n = int(dataset.lengths[i])
+        if cur and (len(cur) + 1) * max(n, int(dataset.lengths[cur[-1]])) > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    collate = PadCollator(0)
+    writer = FeatureWriter(tmp, len(target.layer_ids) * target.hidden_size, fp["dtype"], topk)
+    t0 = time.time()
+    with Progress(TextColumn(f"target features ({what})"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} rows"), TimeRemainingColumn()) as bar:
+        task = bar.add_task("rows", total=len(dataset))
+        for idx in batches:
+            batch = collate(dataset.__getitems__(idx))
+            am = batch["attention_mask"].to(target.device)
+            o = target(batch["input_ids"].to(target.device), attention_mask=am, need_logits=True)
+            lens = batch["lengths"].tolist()
+            hid = [o.hidden[j, :n] for j, n in enumerate(lens)]
+            arg = [o.logits[j, :n].argmax(-1) for j, n in enumerate(lens)]
+            tk_i = tk_v = None
+            if topk:
+                top = [o.logits[j, :n].float().topk(topk, dim=-1) for j, n in enumerate(lens)]
+                tk_i, tk_v = [t.indices for t in top], [t.values for t in top]
+            writer.add([int(dataset.rows[i]) for i in idx], hid, arg, tk_i, tk_v)
+            bar.advance(task, len(idx))
+    writer.close()
+    write_manifest(tmp, fp, {"rows": writer.rows, "tokens": writer.tokens,
+                             "feature_dim": writer.feature_dim,
+                             "bytes": sum(f.stat().st_size for f in tmp.glob("part-*.arrow")),
+                             "build_s": round(time.time() - t0, 1)})
+    tmp.rename(out)
+    print(f"feature cache for {what}: {writer.rows} rows, {writer.tokens} tokens -> {out}",
+          flush=True)
+
+
+def attach_feature_caches(cfg: DictConfig, dm, capture_ids: list[int],
+                          need_distribution: bool, load_target) -> dict[str, FeatureStore]:
+    """Build (if needed) and attach the caches of the datamodule's train and val rows."""
+    topk = resolve_topk(cfg.features, need_distribution)
+    target_holder: list[Any] = []
+
+    def once():
+        if not target_holder:
+            target_holder.append(load_target())
+        return target_holder[0]
+
+    stores = {}
+    has_val = dm.val_dataset is not None and len(dm.val_dataset) > 0
+    separate_val = bool(cfg.data.get("val_path"))
+    # a validation split of data.path shares its cache: build it over both parts' rows
+    rows = dm.train_dataset if separate_val or not has_val else \
+        _union(dm.train_dataset, dm.val_dataset)
+    stores["train"] = ensure_cache(cfg, rows, cfg.data.path, "data.path", capture_ids, topk, once)
+    dm.train_dataset.features = stores["train"]
+    if has_val:
+        dm.val_dataset.features = stores["val"] = ensure_cache(
+            cfg, dm.val_dataset, cfg.data.val_path, "data.val_path", capture_ids, topk, once
+        ) if separate_val else stores["train"]
+    if target_holder:
+        del target_holder[0]  # free the decoder layers: training reads only the caches
+    return stores
+
+
+def _union(a, b):
+    """One dataset holding the rows of two views of the same shards."""
+    from dflash_lit.data.shards import ShardDataset
+
+    return ShardDataset(a._parts, a.files, np.concatenate([a.rows, b.rows]),
+                        np.concatenate([a.lengths, b.lengths]))
