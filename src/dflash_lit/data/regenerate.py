@@ -28,6 +28,7 @@ from dflash_lit.atomic import atomic_write, remove_stale_temporaries
 from dflash_lit.data.backends import GenerationSettings, GenRequest, eos_token_ids, make_backend
 from dflash_lit.data.prompts import Prompt, PromptError, load_source, mix, parse_sources
 from dflash_lit.data.vocab import META_KEY, check_tokenizer_fits, tokenizer_fingerprint
+from dflash_lit.paths import repo_relative
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +342,8 @@ def run(cfg: Any) -> dict[str, Any]:
     out = Path(str(cfg.out))
     writer = ShardWriter(out, int(cfg.rows_per_shard), settings)
     try:
-        (out / "regenerate_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        record = repo_relative(OmegaConf.to_container(cfg, resolve=True))
+        (out / "regenerate_config.yaml").write_text(OmegaConf.to_yaml(record))
     except Exception:  # e.g. a ${hydra:...} key outside a Hydra app: the copy is only a record
         pass
     done = set(writer.done_ids)
