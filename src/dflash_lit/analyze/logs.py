@@ -16,6 +16,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from dflash_lit.errors import UserError
+
 CSV_REL = Path("csv") / "metrics.csv"
 WANDB_GLOB = "wandb/offline-run-*"
 RESUME_FILE = "resumed_from.txt"
@@ -23,7 +25,7 @@ _DRAFTER_RE = re.compile(r"^train/([^/]+)/loss$")
 _NOT_DRAFTERS = {"source"}
 
 
-class LogError(ValueError):
+class LogError(UserError):
     """A run directory (or log file) that cannot be analysed; the message says what to do."""
 
 

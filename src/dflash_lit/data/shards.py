@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import torch
 
 from dflash_lit.atomic import atomic_write
+from dflash_lit.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ SHARD_PATTERNS = ("*.parquet", "*.arrow")
 OVERLENGTH_MODES = ("truncate", "drop")
 
 
-class ShardError(ValueError):
+class ShardError(UserError):
     """Bad shard data or path (one-line message: what, where, what to do)."""
 
 

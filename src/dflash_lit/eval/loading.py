@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_lit.errors import UserError
 from dflash_lit.model.config import DFlashConfig
 from dflash_lit.model.drafter import CONFIG_NAME, DFlashDrafter
 from dflash_lit.model.target import FrozenTarget
@@ -48,7 +49,14 @@ def _torch_load(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # Lightning checkpoints may pickle config objects (e.g. OmegaConf)
+        pass
+    try:
         return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # not a torch file at all, or cut off mid-write
+        raise UserError(
+            f"ckpt={path}: not a readable checkpoint ({type(e).__name__}: {e}); pass a training "
+            ".ckpt file or a z-lab drafter directory"
+        ) from None
 
 
 def read_checkpoint_meta(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -58,16 +66,16 @@ def read_checkpoint_meta(path: str | Path) -> tuple[dict[str, Any], dict[str, An
         raise FileNotFoundError(f"{p}: checkpoint not found (ckpt= must be a .ckpt file or a z-lab dir)")
     ckpt = _torch_load(p)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise ValueError(f"{p}: not a Lightning checkpoint (no 'state_dict' entry)")
+        raise UserError(f"{p}: not a Lightning checkpoint (no 'state_dict' entry)")
     meta = ckpt.get("dflash")
     if not isinstance(meta, dict) or "drafters" not in meta:
-        raise ValueError(
+        raise UserError(
             f"{p}: no 'dflash' metadata in the checkpoint; it was not written by dflash-lit's "
             "training module (for a published drafter pass its z-lab directory instead)"
         )
     version = meta.get("version")
     if version not in SUPPORTED_CKPT_VERSIONS:
-        raise ValueError(
+        raise UserError(
             f"{p}: dflash checkpoint version {version!r} is not supported "
             f"(this code reads versions {list(SUPPORTED_CKPT_VERSIONS)})"
         )
@@ -77,15 +85,15 @@ def read_checkpoint_meta(path: str | Path) -> tuple[dict[str, Any], dict[str, An
 def _pick_name(meta: dict[str, Any], name: str | None, where: str) -> tuple[str, list[str]]:
     names = sorted(meta["drafters"])
     if not names:
-        raise ValueError(f"{where}: the checkpoint lists no drafters")
+        raise UserError(f"{where}: the checkpoint lists no drafters")
     if name is None:
         if len(names) > 1:
-            raise ValueError(
+            raise UserError(
                 f"{where} holds {len(names)} drafters {names}; choose one with drafter=<name>"
             )
         return names[0], names
     if name not in meta["drafters"]:
-        raise ValueError(f"{where}: no drafter named {name!r}; available: {names}")
+        raise UserError(f"{where}: no drafter named {name!r}; available: {names}")
     return name, names
 
 
@@ -125,10 +133,10 @@ def load_drafter(
     try:
         cfg = DFlashConfig(**entry["config"])
     except (KeyError, TypeError) as e:
-        raise ValueError(f"{p}: drafter {chosen!r} has no usable config ({e})") from None
+        raise UserError(f"{p}: drafter {chosen!r} has no usable config ({e})") from None
     state = _drafter_state(ckpt["state_dict"], chosen)
     if not state:
-        raise ValueError(
+        raise UserError(
             f"{p}: no state_dict tensors under 'drafters.{chosen}.'; the metadata and the weights "
             "disagree (was the checkpoint written by a different module layout?)"
         )
@@ -195,7 +203,7 @@ def check_compatible(drafter_cfg: DFlashConfig, target: nn.Module) -> dict[str, 
             stacklevel=2,
         )
     if problems:
-        raise ValueError(
+        raise UserError(
             "drafter and target do not match — " + "; ".join(problems)
             + ". Evaluate the drafter against the target it was trained for."
         )
