@@ -121,6 +121,9 @@ def test_evaluate_exported_dir_equals_checkpoint(setup):
     a = json.loads((out_ckpt / "report.json").read_text())
     b = json.loads((out_dir / "report.json").read_text())
     assert a["lossless"] and b["lossless"]
+    assert a["rendering"] == {"chat": False, "chat_template_kwargs": {}, "system_prompt": None,
+                              "tokenizer": str(setup["target"]),
+                              "tokenizer_fingerprint": a["rendering"]["tokenizer_fingerprint"]}
     assert a["tau_chain"] == b["tau_chain"] and a["tau_tree"] == b["tau_tree"]
     assert a["tau_ngram"] == b["tau_ngram"] and a["offline"]["streak"] == b["offline"]["streak"]
     for ra, rb in zip(a["per_prompt"], b["per_prompt"]):
