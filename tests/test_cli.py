@@ -50,6 +50,7 @@ def data(tmp_path_factory):
 TRAIN_CASES = {
     "value of the wrong type": (["data.token_budget=abc"], r"^error: data.token_budget='abc': expected an integer$"),
     "out-of-range value": (["loss.gamma=-1"], r"^error: loss.gamma=-1: the position-decay constant must be > 0"),
+    "datamodule check": (["data.token_budget=16"], r"^error: data.max_length=128 exceeds data.token_budget=16: .*raise token_budget"),
     "per-drafter key that is global": (["+drafters.main.optim.warmup_frac=0.1"],
                                        r"^error: drafters.main.optim.warmup_frac: one value for the whole run.*set optim.warmup_frac"),
     "unknown per-drafter key": (["+drafters.main.schedule.noise.sigma=0.1"],

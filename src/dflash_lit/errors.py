@@ -26,14 +26,21 @@ def input_checks() -> Iterator[None]:
     ``UserError`` (the original stays the ``__cause__``).
 
     For phases that only validate and load what the user gave (config values, data, a
-    checkpoint), whose validators raise plain ``ValueError``.
+    checkpoint), whose validators raise plain ``ValueError`` (also when Hydra's
+    ``instantiate`` wraps it).
     """
+    from hydra.errors import InstantiationException
+
     try:
         yield
     except UserError:
         raise
     except ValueError as e:
         raise UserError(str(e)) from e
+    except InstantiationException as e:  # hydra.utils.instantiate wraps the constructor's error
+        if isinstance(e.__cause__, ValueError):
+            raise UserError(str(e.__cause__)) from e.__cause__
+        raise
 
 
 def one_line(err: BaseException) -> str:
