@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_lit.train.losses import (
-    IGNORE_INDEX,
+    IGNORE,
     CompositeLoss,
     HardCELoss,
     build_loss,
@@ -19,7 +19,7 @@ from dflash_lit.train.losses import (
     target_argmax_labels,
 )
 
-I = IGNORE_INDEX  # noqa: E741
+I = IGNORE  # noqa: E741
 
 
 # --------------------------------------------------------------------------- references

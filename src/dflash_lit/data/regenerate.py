@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 import dflash_lit.resolvers  # noqa: F401  (${repo_root:} in conf/paths)
 from dflash_lit.atomic import atomic_write, remove_stale_temporaries
+from dflash_lit.data import shards
 from dflash_lit.data.backends import GenerationSettings, GenRequest, eos_token_ids, make_backend
 from dflash_lit.data.prompts import Prompt, PromptError, load_source, mix, parse_sources
 from dflash_lit.data.render import PromptRenderer, resolve_chat
@@ -39,10 +40,7 @@ FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                      "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 SCHEMA = pa.schema(
     [
-        ("id", pa.string()),
-        ("source", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
+        *shards.SCHEMA,
         ("prompt_len", pa.int32()),
         ("gen_len", pa.int32()),
         ("finish_reason", pa.string()),

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_lit.compat import check_compatible
 from dflash_lit.data.render import PromptRenderer, resolve_chat
 from dflash_lit.data.vocab import check_tokenizer_fits, tokenizer_fingerprint
 from dflash_lit.dtypes import parse_dtype
 from dflash_lit.errors import UserError, input_checks
-from dflash_lit.eval.loading import check_compatible, load_drafter
+from dflash_lit.eval.loading import load_drafter
 from dflash_lit.eval.prompts import load_prompts
 from dflash_lit.eval.report import (
     EvalSettings,

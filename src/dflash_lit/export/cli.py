@@ -11,9 +11,10 @@ import logging
 
 from omegaconf import DictConfig
 
+from dflash_lit.compat import check_compatible
 from dflash_lit.dtypes import parse_dtype
 from dflash_lit.errors import input_checks
-from dflash_lit.eval.loading import check_compatible, load_drafter
+from dflash_lit.eval.loading import load_drafter
 from dflash_lit.export.zlab import export_zlab
 
 log = logging.getLogger("export")
