@@ -304,7 +304,7 @@ def test_build_loss_from_config():
     assert data(logits, labels, None).loss.item() == pytest.approx(
         _ref_hard_ce(logits, labels, 4.0), abs=1e-6
     )
-    assert build_loss("hard_ce").labels == "target_argmax"  # DESIGN default
+    assert build_loss("hard_ce").labels == "target_argmax"  # the v5 default (conf/loss/hard_ce.yaml)
     with pytest.raises(ValueError, match="loss.labels=target_argmax"):
         fn(logits, labels, None)
 

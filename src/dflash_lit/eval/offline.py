@@ -4,7 +4,7 @@ Teacher-forced blocks at *every* completion anchor (training's anchor candidates
 batched forwards with the training layout and dense mask. ``streak`` = leading correct slots
 per block; offline τ = mean streak + 1. Real decoding only anchors where the previous step
 stopped, so the gap between offline τ and online ``tau_chain`` shows how much the anchors
-decoding visits differ from uniform ones (docs/ARCHITECTURE.md, "Evaluation").
+decoding visits differ from uniform ones (docs/ARCHITECTURE.md §6).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``config.json`` keeps z-lab ``target_layer_ids`` (id i = output of decoder layer i). vLLM and
 SGLang read those ids from ``dflash_config`` and convert internally; only a serving-side field
-that takes "input of layer" ids would need id + 1 (DESIGN §2, NOTES).
+that takes "input of layer" ids would need id + 1 (docs/ARCHITECTURE.md §1).
 """
 
 from __future__ import annotations
