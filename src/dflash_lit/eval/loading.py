@@ -1,4 +1,4 @@
-"""Load a drafter for evaluation / export, and check it fits the target before generating.
+"""Load a drafter for evaluation / export (whether it fits a target: ``dflash_lit.compat``).
 
 Two sources:
 - a Lightning training checkpoint (``.ckpt``): ``state_dict`` keys

@@ -112,8 +112,11 @@ def build_specs(cfg: DictConfig, info: dict[str, Any]) -> list[DrafterSpec]:
     specs = []
     for name, over in cfg.drafters.items():
         over = over or OmegaConf.create({})
+        raw = OmegaConf.to_container(over, resolve=True) if OmegaConf.is_config(over) else over
+        check_overrides(str(name), raw)  # before merging: a bad override names its own path
         loss = _merge_section(cfg, over, "loss")
-        check_overrides(str(name), OmegaConf.to_container(over, resolve=True), loss.get("name"))
+        if raw.get("loss"):
+            check_loss(f"drafters.{name}.loss", raw["loss"], loss.get("name"))
         d = _merge_section(cfg, over, "drafter")
         sched = _merge_section(cfg, over, "schedule")
         opt = _merge_section(cfg, over, "optim")
