@@ -2,51 +2,24 @@
 
     python export.py ckpt=outputs/<run>/checkpoints/last.ckpt out=drafter/ [drafter=NAME] [dtype=bfloat16]
 
-Config: conf/export.yaml. Writes config.json, model.safetensors and a README.md with serve
-commands, then reloads the export and reports the max abs difference against the source.
+Config: conf/tools/export.yaml; the work is in dflash_lit.export.cli.
 """
 
-from __future__ import annotations
-
-import logging
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
 import dflash_lit.resolvers  # noqa: F401  (registers ${repo_root:})
-from dflash_lit.eval.loading import check_compatible, load_drafter
-from dflash_lit.export.zlab import export_zlab, parse_dtype
-
-log = logging.getLogger("export")
-
-
-def run(cfg: DictConfig) -> int:
-    """Export per ``cfg``; return the exit status (1 when the reload check fails)."""
-    dtype = parse_dtype(cfg.dtype)
-    lm_head = None
-    if cfg.target:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(cfg.target).eval()
-        drafter, _ = load_drafter(cfg.ckpt, cfg.drafter)
-        check_compatible(drafter.config, model)
-        lm_head = model.get_output_embeddings()
-    res = export_zlab(cfg.ckpt, cfg.out, name=cfg.drafter, dtype=dtype, lm_head=lm_head)
-    limit = cfg.max_abs_diff if cfg.max_abs_diff is not None else (0.0 if dtype is None else None)
-    print(f"exported {res.name or cfg.ckpt} -> {res.out_dir} ({res.dtype})")
-    print(f"reload check: weights equal={res.weights_equal}, max abs diff outputs="
-          f"{res.max_abs_diff:.3g}, logits={res.logits_max_abs_diff:.3g}"
-          + ("" if cfg.target else " (random lm_head: the target's is not in the checkpoint)"))
-    if not res.weights_equal or (limit is not None and res.max_abs_diff > limit):
-        log.error("reloaded export does not match the source (limit %s)", limit)
-        return 1
-    return 0
+from dflash_lit.cli import entry_point
 
 
 @hydra.main(version_base="1.3", config_path="conf/tools", config_name="export")
+@entry_point
 def main(cfg: DictConfig) -> None:
-    code = run(cfg)
+    from dflash_lit.export.cli import export
+
+    code = export(cfg)
     if code:
         sys.exit(code)
 

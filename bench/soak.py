@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from common import REPO, RESULTS, fmt_table, write_result
 
+from dflash_lit.paths import repo_relative
+
 STEP_RE = re.compile(r"\bstep=(\d+) ")
 KILLS = ("SIGKILL", "SIGKILL", "SIGTERM", "SIGUSR1")  # drawn uniformly: half are SIGKILL
 
@@ -382,7 +384,7 @@ def main() -> None:
         "wall_s": wall,
     }
     payload = {
-        "summary": summary, "overrides": common, "threads": args.threads, "workdir": str(work),
+        "summary": summary, "overrides": common, "threads": args.threads, "workdir": str(repo_relative(str(work.resolve()))),
         "segments": [asdict(s) for s in segments], "final_state": cmp,
         "memory_reference": rss_growth([x for x in samples if x.arm == "reference"]),
         "memory_soak_by_launch": [{"launch": s.index, **rss_growth(

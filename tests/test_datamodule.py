@@ -367,3 +367,27 @@ def test_lightning_resume_from_epoch_end_checkpoint(shard_dir: Path, tmp_path: P
         )
         assert resumed.seen == straight.seen[(e + 1) * nb :]
         assert sorted(resumed.epoch_batches) == list(range(e + 1, 3))
+
+
+def test_shards_config_explicit_val_size_or_val_path_wins_over_the_default_fraction(tmp_path):
+    """conf/data/shards.yaml holds out 1 % by default; `data.val_size=N` or `data.val_path=DIR`
+    alone replaces that default instead of conflicting with it."""
+    import hydra
+    from train_utils import compose_train, make_shards
+
+    train, val = make_shards(tmp_path / "train", n=40), make_shards(tmp_path / "val", n=4, seed=1)
+
+    def dm(*ov: str) -> DFlashDataModule:
+        cfg = compose_train(["data=shards", f"data.path={train}", "data.num_workers=0",
+                             "data.pin_memory=false", *ov], tmp_path / "run")
+        return hydra.utils.instantiate(cfg.data, vocab_size=128, block_size=8, seed=0)
+
+    assert dm().val_fraction == 0.01
+    sized = dm("data.val_size=2")
+    sized.setup("fit")
+    assert len(sized.val_dataset) == 2 and len(sized.train_dataset) == 38
+    separate = dm(f"data.val_path={val}")
+    separate.setup("fit")
+    assert len(separate.val_dataset) == 4 and len(separate.train_dataset) == 40
+    with pytest.raises(Exception, match="set data.val_fraction or data.val_size, not both"):
+        dm("data.val_size=2", "data.val_fraction=0.1")  # both explicit: still a conflict

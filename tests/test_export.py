@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -12,7 +11,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from dflash_lit import DFlashConfig, DFlashDrafter
+from dflash_lit.eval.cli import evaluate
 from dflash_lit.eval.loading import load_drafter
+from dflash_lit.export.cli import export
 from dflash_lit.export.zlab import export_zlab
 from dflash_lit.tiny.random_targets import save_tiny, tiny_qwen3
 
@@ -101,33 +102,28 @@ def test_export_reload_identical(setup, dtype):
         assert 0 < res.max_abs_diff < 0.1
 
 
-def _evaluate_module():
-    spec = importlib.util.spec_from_file_location("dflash_evaluate", ROOT / "evaluate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _eval_cfg(overrides):
     with initialize_config_dir(config_dir=str(ROOT / "conf" / "tools"), version_base="1.3"):
         return compose("evaluate", overrides=overrides)
 
 
 def test_evaluate_exported_dir_equals_checkpoint(setup):
-    ev = _evaluate_module()
     common = [f"prompts_path={setup['prompts']}", "prompts=jsonl", "max_new_tokens=16",
               "budgets=[3,8]", "progress=false", "warmup=false", "offline_streak=true"]
     out_ckpt = setup["tmp"] / "eval_ckpt"
-    assert ev.run(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main", f"out={out_ckpt}",
-                             *common]), out_ckpt) == 0
+    assert evaluate(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main", f"out={out_ckpt}",
+                               *common]), out_ckpt) == 0
     zdir = setup["tmp"] / "zlab_eval"
     export_zlab(setup["ckpt"], zdir, name="main")
     out_dir = setup["tmp"] / "eval_dir"
-    assert ev.run(_eval_cfg([f"ckpt={zdir}", f"target={setup['target']}", f"out={out_dir}",
-                             *common]), out_dir) == 0
+    assert evaluate(_eval_cfg([f"ckpt={zdir}", f"target={setup['target']}", f"out={out_dir}",
+                               *common]), out_dir) == 0
     a = json.loads((out_ckpt / "report.json").read_text())
     b = json.loads((out_dir / "report.json").read_text())
     assert a["lossless"] and b["lossless"]
+    assert a["rendering"] == {"chat": False, "chat_template_kwargs": {}, "system_prompt": None,
+                              "tokenizer": str(setup["target"]),
+                              "tokenizer_fingerprint": a["rendering"]["tokenizer_fingerprint"]}
     assert a["tau_chain"] == b["tau_chain"] and a["tau_tree"] == b["tau_tree"]
     assert a["tau_ngram"] == b["tau_ngram"] and a["offline"]["streak"] == b["offline"]["streak"]
     for ra, rb in zip(a["per_prompt"], b["per_prompt"]):
@@ -148,9 +144,8 @@ def test_evaluate_exits_nonzero_when_not_lossless(setup, monkeypatch):
         return r
 
     monkeypatch.setattr(report_mod, "chain_generate", corrupt)
-    ev = _evaluate_module()
     out = setup["tmp"] / "eval_bad"
-    code = ev.run(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main", f"out={out}",
+    code = evaluate(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main", f"out={out}",
                              f"prompts_path={setup['prompts']}", "prompts=jsonl", "limit=1",
                              "max_new_tokens=8", "methods=[chain]", "progress=false",
                              "warmup=false", "plot=false"]), out)
@@ -163,9 +158,8 @@ def test_evaluate_exits_nonzero_when_not_lossless(setup, monkeypatch):
 def test_evaluate_mismatched_target_errors(setup):
     other = save_tiny(tiny_qwen3(vocab_size=V, hidden_size=48, num_layers=L, head_dim=8,
                                  intermediate_size=64), setup["tmp"] / "wide_target")
-    ev = _evaluate_module()
     with pytest.raises(ValueError, match="hidden_size=32 but target hidden size=48"):
-        ev.run(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main", f"target={other}",
+        evaluate(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main", f"target={other}",
                           "prompts=humaneval", "limit=1"]), setup["tmp"] / "eval_wide")
 
 
@@ -177,39 +171,21 @@ def test_evaluate_tokenizer_larger_than_target_vocab_errors(setup):
     tiny_char_tokenizer(128).save_pretrained(tok_dir)
     with pytest.raises(ValueError, match=rf"tokenizer={tok_dir}: the tokenizer has 102 tokens but "
                                          rf"the target's embedding has vocab_size={V} rows"):
-        _evaluate_module().run(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main",
+        evaluate(_eval_cfg([f"ckpt={setup['ckpt']}", "drafter=main",
                                           f"tokenizer={tok_dir}", "prompts=humaneval", "limit=1"]),
                                setup["tmp"] / "eval_bigtok")
 
 
-def _hydra_main(module_file: str, argv: list[str], monkeypatch) -> int:
-    """Run a script as ``python <script> argv...`` in-process (no interpreter start-up cost).
-
-    Executed as ``__main__`` so its ``if __name__ == "__main__"`` block runs and Hydra resolves
-    ``config_path`` from the script file, exactly as on the command line. Returns the exit code.
-    """
-    spec = importlib.util.spec_from_file_location("__main__", ROOT / module_file)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setattr(sys, "argv", [str(ROOT / module_file), *argv])
-    try:
-        spec.loader.exec_module(mod)
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
+def _export_cfg(overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf" / "tools"), version_base="1.3"):
+        return compose("export", overrides=overrides)
 
 
-def test_cli_export_and_bad_prompt_set(setup, monkeypatch, capsys):
+def test_export_one_drafter_of_a_multi_drafter_checkpoint(setup, capsys):
     out = setup["tmp"] / "cli_export"
-    code = _hydra_main("export.py", [f"ckpt={setup['ckpt']}", f"out={out}", "drafter=gamma7",
-                                     f"hydra.run.dir={setup['tmp'] / 'hydra_export'}"], monkeypatch)
-    assert code == 0
+    assert export(_export_cfg([f"ckpt={setup['ckpt']}", f"out={out}", "drafter=gamma7"])) == 0
     assert "weights equal=True, max abs diff outputs=0" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
-    code = _hydra_main("evaluate.py", [f"ckpt={setup['ckpt']}", "drafter=main",
-                                       "prompts=mbpp", f"hydra.run.dir={setup['tmp'] / 'hydra_eval'}"],
-                       monkeypatch)
-    assert code == 1
-    assert "unknown prompt set 'mbpp'" in capsys.readouterr().err
 
 
 def test_real_train_checkpoint_evaluates_and_exports(tmp_path):

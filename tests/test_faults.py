@@ -89,6 +89,36 @@ def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path, data, strai
         assert torch.equal(got[k], straight[k]), k
 
 
+def test_last_in_a_fixed_run_dir_starts_fresh_then_resumes_itself(tmp_path, data, straight):
+    """A cluster job script: the same command, `hydra.run.dir=DIR ckpt_path=last`, launched
+    again after each pre-emption. The first launch has nothing to resume and starts fresh with
+    a warning; the relaunch continues DIR's own last.ckpt, bit-exactly."""
+    job = tmp_path / "job"
+    cmd = _overrides(tmp_path, data, f"hydra.run.dir={job}", "ckpt_path=last")
+    p = _popen(cmd, tmp_path)
+    lines = _wait_for_line(p, "step=5 ")
+    assert any(f"no checkpoints/last.ckpt in the run directory {job}" in line
+               and "starting fresh" in line for line in lines), "".join(lines[-20:])
+    p.send_signal(signal.SIGTERM)  # pre-empted after its first checkpoint
+    out, _ = p.communicate(timeout=240)
+    assert p.returncode == 0, out[-3000:]
+    assert (job / "checkpoints" / "last.ckpt").is_file()
+    rc, out = _run(cmd, tmp_path)
+    assert rc == 0, out[-3000:]
+    assert f"resuming from {job / 'checkpoints' / 'last.ckpt'}" in out
+    got = drafter_state(job / "checkpoints" / "last.ckpt")
+    assert got.keys() == straight.keys()
+    for k in got:
+        assert torch.equal(got[k], straight[k]), k
+    # strict: nothing to resume is an error (one line, before any training)
+    empty = tmp_path / "empty_job"
+    rc, out = _run(_overrides(tmp_path, data, f"hydra.run.dir={empty}", "ckpt_path=last",
+                              "resume_strict=true"), tmp_path)
+    assert rc == 2 and "Traceback" not in out, out[-3000:]
+    assert f"error: ckpt_path=last: no checkpoints/last.ckpt in the run directory {empty}" in out
+    assert not (empty / "checkpoints").exists()
+
+
 def test_sigkill_during_checkpoint_write_leaves_loadable_checkpoints(tmp_path, data, straight):
     """Checkpoint every step, SIGKILL the trainer while a temporary checkpoint file is being
     written: every *.ckpt on disk still loads, the tmp file is never taken for `last`, and

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from dflash_lit import DFlashConfig, DFlashDrafter
+from dflash_lit.data.anchors import anchor_candidates
 from dflash_lit.model.block_forward import draft_hidden
 from dflash_lit.model.layout import IGNORE, build_layout
 from dflash_lit.model.masks import dense_mask
 from dflash_lit.model.reference import reference_draft_hidden
-from dflash_lit.train.anchors import anchor_candidates, sample_anchors, step_generator
+from dflash_lit.train.anchors import sample_anchors, step_generator
 
 
 def random_setup(seed: int, b=3, s=40, bs=4, d=32, k=2, max_anchors=6):

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_lit.model.layout import IGNORE
 from dflash_lit.train.linear_ce import fused_hard_ce, linear_cross_entropy
-from dflash_lit.train.losses import IGNORE_INDEX, hard_ce_loss
+from dflash_lit.train.losses import hard_ce_loss
 
 
 def _case(seed=0, b=2, n=3, bs=5, d=16, v=50):
@@ -16,8 +17,8 @@ def _case(seed=0, b=2, n=3, bs=5, d=16, v=50):
     hidden = torch.randn(b, n, bs, d, generator=g)
     weight = torch.randn(v, d, generator=g) * 0.5
     labels = torch.randint(0, v, (b, n, bs), generator=g)
-    labels[0, 1, 3:] = IGNORE_INDEX  # past the end
-    labels[1, 2] = IGNORE_INDEX  # an invalid block
+    labels[0, 1, 3:] = IGNORE  # past the end
+    labels[1, 2] = IGNORE  # an invalid block
     return hidden, weight, labels
 
 
@@ -35,10 +36,10 @@ def test_fused_equals_plain_loss_and_gradient(chunk):
     torch.testing.assert_close(out.weight_sum, ref.weight_sum)
     assert int(out.n_valid) == int(ref.n_valid)
     torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-5, atol=1e-7)
-    valid = (labels != IGNORE_INDEX)
+    valid = (labels != IGNORE)
     valid[..., 0] = False
     assert torch.equal(pred[valid], (hidden @ weight.T).argmax(-1)[valid])
-    assert bool((pred[~valid] == IGNORE_INDEX).all())
+    assert bool((pred[~valid] == IGNORE).all())
 
 
 def test_fused_scales_with_upstream_gradient():
@@ -60,7 +61,7 @@ def test_bf16_matmul_within_tolerance():
 
 def test_no_valid_slot_gives_zero_attached_loss():
     hidden, weight, labels = _case()
-    labels[:] = IGNORE_INDEX
+    labels[:] = IGNORE
     h = hidden.clone().requires_grad_(True)
     out, _ = fused_hard_ce(h, weight, labels, gamma=7.0)
     out.loss.backward()

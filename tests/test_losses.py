@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_lit.train.losses import (
-    IGNORE_INDEX,
+    IGNORE,
     CompositeLoss,
     HardCELoss,
     build_loss,
@@ -19,7 +19,7 @@ from dflash_lit.train.losses import (
     target_argmax_labels,
 )
 
-I = IGNORE_INDEX  # noqa: E741
+I = IGNORE  # noqa: E741
 
 
 # --------------------------------------------------------------------------- references
@@ -304,7 +304,7 @@ def test_build_loss_from_config():
     assert data(logits, labels, None).loss.item() == pytest.approx(
         _ref_hard_ce(logits, labels, 4.0), abs=1e-6
     )
-    assert build_loss("hard_ce").labels == "target_argmax"  # DESIGN default
+    assert build_loss("hard_ce").labels == "target_argmax"  # the v5 default (conf/loss/hard_ce.yaml)
     with pytest.raises(ValueError, match="loss.labels=target_argmax"):
         fn(logits, labels, None)
 

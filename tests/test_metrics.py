@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_lit.eval.ddtree import accepted_length, build_ddtree
-from dflash_lit.train.losses import IGNORE_INDEX, hard_ce_loss
+from dflash_lit.train.losses import IGNORE, hard_ce_loss
 from dflash_lit.train.metrics import (
     DrafterMetrics,
     accuracy,
@@ -21,7 +21,7 @@ from dflash_lit.train.metrics import (
     tree_acceptance_lengths,
 )
 
-I = IGNORE_INDEX  # noqa: E741
+I = IGNORE  # noqa: E741
 
 
 def _crafted():

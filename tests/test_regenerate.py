@@ -35,6 +35,7 @@ from dflash_lit.data.prompts import (
     parse_sources,
 )
 from dflash_lit.data.regenerate import run
+from dflash_lit.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = (
@@ -382,7 +383,7 @@ def test_hf_backend_matches_unpadded_greedy(toy, tmp_path):
     gen = first["input_ids"][first["prompt_len"]:]
     assert row["input_ids"][row["prompt_len"]:] == gen[: gen.index(stop_tok) + 1]
     assert row["finish_reason"] == "stop"
-    with pytest.raises(RuntimeError, match="different settings"):
+    with pytest.raises(UserError, match="different settings"):
         run(make_cfg(target__path=str(toy["plain"]), sources=[{"path": str(path)}], out=str(out2),
                      max_prompt_tokens=30))
 

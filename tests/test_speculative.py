@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_lit import DFlashConfig, DFlashDrafter
-from dflash_lit.eval.loading import check_compatible
+from dflash_lit.compat import check_compatible
 from dflash_lit.eval.offline import offline_streak
 from dflash_lit.eval.prompts import PromptSetError, load_prompts
 from dflash_lit.eval.report import EvalSettings, check_lossless, run_evaluation

@@ -20,6 +20,8 @@ from train_utils import (
     state_digest,
 )
 
+from dflash_lit.errors import UserError
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
@@ -136,8 +138,13 @@ def test_ckpt_path_last_picks_newest_matching_run(tmp_path, data):
     root = tmp_path / "outputs" / "dflash"
     got = resolve_ckpt_path("last", root, ov + ["ckpt_path=last"], root / "new")
     assert got == root / "a" / "checkpoints" / "last.ckpt"
-    with pytest.raises(FileNotFoundError, match="no earlier run"):
-        resolve_ckpt_path("last", root, ov + ["seed=7"], root / "new")
+    # a run directory with its own last.ckpt (a relaunch in a fixed hydra.run.dir) continues it
+    assert resolve_ckpt_path("last", root, ov, root / "b") == root / "b" / "checkpoints" / "last.ckpt"
+    # nothing to resume: a fresh start, or an error when strict
+    assert resolve_ckpt_path("last", root, ov + ["seed=7"], root / "new") is None
+    with pytest.raises(UserError, match=r"no checkpoints/last.ckpt in the run directory .*new nor "
+                                        r"in an earlier run .*resume_strict=true"):
+        resolve_ckpt_path("last", root, ov + ["seed=7"], root / "new", strict=True)
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
         resolve_ckpt_path(str(tmp_path / "nope.ckpt"), root, ov, root / "new")
 

@@ -16,15 +16,14 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from dflash_lit.analyze.steps import LogError, merge_steps
+from dflash_lit.analyze.wandb_io import load_wandb_api, load_wandb_offline
+
 CSV_REL = Path("csv") / "metrics.csv"
 WANDB_GLOB = "wandb/offline-run-*"
 RESUME_FILE = "resumed_from.txt"
 _DRAFTER_RE = re.compile(r"^train/([^/]+)/loss$")
 _NOT_DRAFTERS = {"source"}
-
-
-class LogError(ValueError):
-    """A run directory (or log file) that cannot be analysed; the message says what to do."""
 
 
 @dataclass
@@ -134,16 +133,6 @@ def read_metrics_csv(path: str | Path) -> tuple[pd.DataFrame, list[str]]:
     return out, [msg for _, msg in sorted(skipped)]
 
 
-def merge_steps(raw: pd.DataFrame) -> pd.DataFrame:
-    """One row per step: the last non-empty value of each column among that step's rows."""
-    raw = raw[raw["step"].notna()]
-    if raw.empty:
-        return pd.DataFrame(columns=list(raw.columns))
-    df = raw.groupby("step", sort=True).last().reset_index()
-    df["step"] = df["step"].astype(np.int64)
-    return df
-
-
 # ---------------------------------------------------------------------------------- config
 def read_config(run_dir: Path) -> dict:
     """``config_resolved.yaml`` of a run dir (``{}`` when absent or unreadable)."""
@@ -189,8 +178,6 @@ def _no_logs_error(d: Path) -> LogError:
 
 def _single_dir(d: Path, prefer: str) -> tuple[pd.DataFrame, str, list[str]]:
     """(merged per-step logs, source, skipped lines) of one run dir (no resume following)."""
-    from dflash_lit.analyze.wandb_io import load_wandb_offline
-
     csv_path = d / CSV_REL
     wb = sorted(d.glob(WANDB_GLOB))
     if csv_path.is_file() and (prefer != "wandb" or not wb):
@@ -273,16 +260,12 @@ def load_run(path: str | Path, prefer: str = "csv") -> Run:
     even when a CSV exists.
     """
     if isinstance(path, str) and path.startswith("wandb:"):
-        from dflash_lit.analyze.wandb_io import load_wandb_api
-
         df, cfg, label = load_wandb_api(path[len("wandb:"):])
         return Run(path=Path(label.replace("/", "_")), name=label, df=df, config=cfg,
                    source="wandb-api", dirs=[])
     notes: list[str] = []
     run_dir, wb_dirs = _resolve_path(Path(path).expanduser(), notes)
     if wb_dirs is not None:
-        from dflash_lit.analyze.wandb_io import load_wandb_offline
-
         df = load_wandb_offline(wb_dirs)
         cfg = read_config(run_dir)
         return Run(path=run_dir, name=_label(run_dir, cfg), df=df, config=cfg,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dflash_lit.analyze.logs import LogError, merge_steps
+from dflash_lit.analyze.steps import LogError, merge_steps
 
 _BLOCK = 32 * 1024
 _HDR = 7

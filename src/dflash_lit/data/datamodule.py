@@ -36,7 +36,8 @@ class DFlashDataModule(L.LightningDataModule):
         path: training shards (dir of ``*.parquet`` / ``*.arrow``, one file, or a save_to_disk dir).
         val_path: separate validation shards; excludes ``val_fraction`` / ``val_size``.
         val_fraction: share of ``path``'s rows held out for validation, chosen by a hash of
-            ``id`` (deterministic, order-independent; rows sharing an id share a split).
+            ``id`` (deterministic, order-independent; rows sharing an id share a split);
+            ``None``: 0.01 unless ``val_size`` or ``val_path`` is given.
         val_size: alternatively, hold out exactly this many rows (the smallest id hashes).
         max_length: longest sequence fed to the model (tokens).
         overlength: rows longer than ``max_length``: ``'truncate'`` or ``'drop'``.
@@ -63,7 +64,7 @@ class DFlashDataModule(L.LightningDataModule):
         self,
         path: str,
         val_path: str | None = None,
-        val_fraction: float = 0.0,
+        val_fraction: float | None = 0.0,
         val_size: int = 0,
         max_length: int = 3072,
         overlength: str = "truncate",
@@ -90,6 +91,8 @@ class DFlashDataModule(L.LightningDataModule):
                 f"data.max_length={max_length} exceeds data.token_budget={token_budget}: a "
                 "maximal sequence would not fit a batch; raise token_budget or lower max_length"
             )
+        if val_fraction is None:  # conf/data/shards.yaml: 1 % unless val_size / val_path is given
+            val_fraction = 0.0 if (val_size or val_path is not None) else 0.01
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
         if val_size < 0:

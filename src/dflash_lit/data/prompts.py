@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_lit.errors import UserError
+
 log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "parquet", "hf_dataset")
@@ -25,7 +27,7 @@ FORMATS = ("jsonl", "parquet", "hf_dataset")
 _MAX_REPORTED = 10
 
 
-class PromptError(ValueError):
+class PromptError(UserError):
     """Bad prompt input: names the file (and line / row) and what to do."""
 
 

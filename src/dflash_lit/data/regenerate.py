@@ -25,9 +25,13 @@ import pyarrow.parquet as pq
 
 import dflash_lit.resolvers  # noqa: F401  (${repo_root:} in conf/paths)
 from dflash_lit.atomic import atomic_write, remove_stale_temporaries
+from dflash_lit.data import shards
 from dflash_lit.data.backends import GenerationSettings, GenRequest, eos_token_ids, make_backend
 from dflash_lit.data.prompts import Prompt, PromptError, load_source, mix, parse_sources
+from dflash_lit.data.render import PromptRenderer, resolve_chat
 from dflash_lit.data.vocab import META_KEY, check_tokenizer_fits, tokenizer_fingerprint
+from dflash_lit.errors import UserError
+from dflash_lit.paths import repo_relative
 
 log = logging.getLogger(__name__)
 
@@ -36,69 +40,13 @@ FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                      "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 SCHEMA = pa.schema(
     [
-        ("id", pa.string()),
-        ("source", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
+        *shards.SCHEMA,
         ("prompt_len", pa.int32()),
         ("gen_len", pa.int32()),
         ("finish_reason", pa.string()),
         ("backend", pa.string()),
     ]
 )
-
-
-# -- chat template / prompt rendering ------------------------------------------------------
-
-
-def resolve_chat(chat: Any, tokenizer: Any, target: str) -> bool:
-    """``chat`` config value (auto|true|false) → whether to apply the chat template."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    value = str(chat).lower() if chat is not None else "auto"
-    if value == "auto":
-        return has_template
-    if value == "true":
-        if not has_template:
-            raise ValueError(
-                f"chat=true but the tokenizer at {target} has no chat template (no chat_template "
-                "in tokenizer_config.json, no chat_template.jinja); set chat=false to send raw "
-                "prompts, chat=auto, or point target= at a tokenizer with a template"
-            )
-        return True
-    if value == "false":
-        return False
-    raise ValueError(f"chat: {chat!r} must be auto, true or false")
-
-
-class PromptRenderer:
-    """Prompt → (rendered text, token ids, messages for a chat endpoint)."""
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        chat: bool,
-        system_prompt: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.tokenizer, self.chat, self.system_prompt = tokenizer, chat, system_prompt
-        self.kwargs = dict(chat_template_kwargs or {})
-
-    def __call__(self, p: Prompt) -> tuple[str, list[int], list[dict[str, str]] | None]:
-        if not self.chat:
-            if p.messages is not None:
-                raise ValueError(f"{p.origin}: chat-format prompt but chat is off")
-            return p.text or "", list(self.tokenizer(p.text)["input_ids"]), None
-        if p.messages is not None:
-            messages = p.messages
-        else:
-            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-            messages = system + [{"role": "user", "content": p.text or ""}]
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **self.kwargs
-        )
-        # The template already holds any BOS / special tokens.
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return text, list(ids), messages
 
 
 # -- shards ----------------------------------------------------------------------------------
@@ -113,7 +61,7 @@ class ShardWriter:
 
     def __init__(self, out: Path, rows_per_shard: int, settings: Mapping[str, Any]) -> None:
         if rows_per_shard < 1:
-            raise ValueError(f"rows_per_shard: must be >= 1, got {rows_per_shard}")
+            raise UserError(f"rows_per_shard: must be >= 1, got {rows_per_shard}")
         self.out, self.rows_per_shard = Path(out), int(rows_per_shard)
         self.settings = json.loads(json.dumps(settings))
         try:
@@ -130,7 +78,7 @@ class ShardWriter:
                 ids = pf.read(columns=["id"]).column(0).to_pylist()
                 meta = (pf.schema_arrow.metadata or {}).get(META_KEY)
             except Exception as e:
-                raise RuntimeError(f"cannot read finished shard {shard}: {e}; move it away") from e
+                raise UserError(f"cannot read finished shard {shard}: {e}; move it away") from e
             self._check_settings(shard, json.loads(meta) if meta else None)
             self.done_ids.update(ids)
             self.next_index = max(self.next_index, int(shard.stem.split("-")[-1]) + 1)
@@ -142,7 +90,7 @@ class ShardWriter:
             return
         for key in sorted(old):  # a key the writer of an older shard did not record is no conflict
             if old.get(key) != self.settings.get(key):
-                raise RuntimeError(
+                raise UserError(
                     f"out={self.out} holds {shard.name}, generated with different settings "
                     f"({key}: {old.get(key)!r} there, {self.settings.get(key)!r} now); resume "
                     "needs the same target/chat/generation settings: use a new out= or restore them"
@@ -253,7 +201,7 @@ def _load_tokenizer(target: str):
     try:
         return AutoTokenizer.from_pretrained(target)
     except Exception as e:
-        raise ValueError(f"target: cannot load a tokenizer from {target}: {e}") from e
+        raise UserError(f"target: cannot load a tokenizer from {target}: {e}") from e
 
 
 def _target_vocab_size(target: str) -> int:
@@ -270,7 +218,7 @@ def _generation_settings(cfg: Any, target: str, tokenizer: Any) -> GenerationSet
         if int(t) not in stop_ids:
             stop_ids.append(int(t))
     if int(g.max_new_tokens) < 1:
-        raise ValueError(f"generation.max_new_tokens: must be >= 1, got {g.max_new_tokens}")
+        raise UserError(f"generation.max_new_tokens: must be >= 1, got {g.max_new_tokens}")
     return GenerationSettings(
         max_new_tokens=int(g.max_new_tokens),
         temperature=float(g.temperature),
@@ -305,12 +253,12 @@ def run(cfg: Any) -> dict[str, Any]:
     t_start = time.time()
     target_path = OmegaConf.select(cfg, "target.path", throw_on_missing=False)
     if not target_path:
-        raise ValueError(
+        raise UserError(
             "target.path: not set (a target built in memory has no tokenizer); pass "
             "target.path=<HF model/tokenizer dir>"
         )
     if OmegaConf.is_missing(cfg, "sources"):
-        raise ValueError("sources: missing; pass sources='[{path: prompts.jsonl, field: prompt}]'")
+        raise UserError("sources: missing; pass sources='[{path: prompts.jsonl, field: prompt}]'")
     target = str(target_path)
     strict = bool(cfg.strict)
     tokenizer = _load_tokenizer(target)
@@ -320,18 +268,17 @@ def run(cfg: Any) -> dict[str, Any]:
     sources = parse_sources(OmegaConf.to_container(cfg.sources, resolve=True))
     for i, s in enumerate(sources):
         if s.is_chat and not use_chat:
-            raise ValueError(
+            raise UserError(
                 f"sources[{i}] ({s.name}): field 'messages' needs a chat template but chat is off "
                 f"(chat={cfg.chat}, tokenizer at {target}); use a tokenizer with a template"
             )
     gen = _generation_settings(cfg, target, tokenizer)
     chat_kwargs = OmegaConf.to_container(cfg.chat_template_kwargs, resolve=True) or {}
+    renderer = PromptRenderer(tokenizer, use_chat, cfg.system_prompt, chat_kwargs)
     settings = {
         "target": target_fingerprint(target),
         "tokenizer": tokenizer_fingerprint(tokenizer),  # training refuses these ids for another
-        "chat": use_chat,
-        "chat_template_kwargs": chat_kwargs,
-        "system_prompt": cfg.system_prompt,
+        **renderer.settings(),
         "generation": {k: getattr(gen, k) for k in ("max_new_tokens", "temperature", "top_p",
                                                      "top_k", "stop", "stop_token_ids")},
     }
@@ -345,11 +292,11 @@ def run(cfg: Any) -> dict[str, Any]:
     out = Path(str(cfg.out))
     writer = ShardWriter(out, int(cfg.rows_per_shard), settings)
     try:
-        (out / "regenerate_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        record = repo_relative(OmegaConf.to_container(cfg, resolve=True))
+        (out / "regenerate_config.yaml").write_text(OmegaConf.to_yaml(record))
     except Exception:  # e.g. a ${hydra:...} key outside a Hydra app: the copy is only a record
         pass
     done = set(writer.done_ids)
-    renderer = PromptRenderer(tokenizer, use_chat, cfg.system_prompt, chat_kwargs)
     max_prompt = cfg.max_prompt_tokens
     per_source = {s.name: Counter() for s in sources}
     requests: dict[str, GenRequest] = {}

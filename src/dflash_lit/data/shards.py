@@ -25,15 +25,25 @@ import pyarrow.parquet as pq
 import torch
 
 from dflash_lit.atomic import atomic_write
+from dflash_lit.errors import UserError
 
 log = logging.getLogger(__name__)
 
-REQUIRED_COLUMNS = ("id", "source", "input_ids", "loss_mask")
+# The columns training reads, as written; regeneration adds its own after them.
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+    ]
+)
+REQUIRED_COLUMNS = tuple(SCHEMA.names)
 SHARD_PATTERNS = ("*.parquet", "*.arrow")
 OVERLENGTH_MODES = ("truncate", "drop")
 
 
-class ShardError(ValueError):
+class ShardError(UserError):
     """Bad shard data or path (one-line message: what, where, what to do)."""
 
 
@@ -65,15 +75,6 @@ class FilterReport:
 
 
 # --------------------------------------------------------------------------- writing
-_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("source", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-    ]
-)
-
 
 def write_shards(
     rows: Iterable[Mapping[str, Any]],
@@ -101,7 +102,7 @@ def write_shards(
         cols = {name: [r[name] for r in buf] for name in REQUIRED_COLUMNS}
         cols["id"] = [str(x) for x in cols["id"]]
         cols["source"] = [str(x) for x in cols["source"]]
-        table = pa.table(cols, schema=_SCHEMA)
+        table = pa.table(cols, schema=SCHEMA)
         atomic_write(path, lambda f: pq.write_table(table, f), what="shard")
         paths.append(path)
         buf.clear()

@@ -15,6 +15,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from dflash_lit.errors import UserError
+
 META_KEY = b"dflash_lit.regenerate"  # parquet schema metadata of regenerated shards
 
 
@@ -33,7 +35,7 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, where: str, fix: str) 
     """
     n = len(tokenizer)
     if n > vocab_size:
-        raise ValueError(
+        raise UserError(
             f"{where}: the tokenizer has {n} tokens but the target's embedding has "
             f"vocab_size={vocab_size} rows (ids {vocab_size}..{n - 1} index past it): this "
             f"tokenizer does not belong to this target; {fix}"
@@ -69,7 +71,7 @@ def check_data_tokenizer(data_paths: dict[str, Any], target_path: str | None) ->
     have = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(target_path)))
     for key, (file, fp) in recorded.items():
         if fp != have:
-            raise ValueError(
+            raise UserError(
                 f"{key}: {file} was regenerated with another tokenizer (fingerprint {fp}) than "
                 f"the target's at target.path={target_path} ({have}), so its token ids mean "
                 "other tokens; regenerate the data with this target (python regenerate.py "

@@ -1,4 +1,4 @@
-"""Load a drafter for evaluation / export, and check it fits the target before generating.
+"""Load a drafter for evaluation / export (whether it fits a target: ``dflash_lit.compat``).
 
 Two sources:
 - a Lightning training checkpoint (``.ckpt``): ``state_dict`` keys
@@ -10,19 +10,16 @@ Two sources:
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
+from dflash_lit.checkpoint_format import SUPPORTED_CKPT_VERSIONS
+from dflash_lit.errors import UserError
 from dflash_lit.model.config import DFlashConfig
 from dflash_lit.model.drafter import CONFIG_NAME, DFlashDrafter
-from dflash_lit.model.target import FrozenTarget
-
-SUPPORTED_CKPT_VERSIONS = (1,)
 
 
 @dataclass
@@ -48,7 +45,14 @@ def _torch_load(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # Lightning checkpoints may pickle config objects (e.g. OmegaConf)
+        pass
+    try:
         return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # not a torch file at all, or cut off mid-write
+        raise UserError(
+            f"ckpt={path}: not a readable checkpoint ({type(e).__name__}: {e}); pass a training "
+            ".ckpt file or a z-lab drafter directory"
+        ) from None
 
 
 def read_checkpoint_meta(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -58,16 +62,16 @@ def read_checkpoint_meta(path: str | Path) -> tuple[dict[str, Any], dict[str, An
         raise FileNotFoundError(f"{p}: checkpoint not found (ckpt= must be a .ckpt file or a z-lab dir)")
     ckpt = _torch_load(p)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise ValueError(f"{p}: not a Lightning checkpoint (no 'state_dict' entry)")
+        raise UserError(f"{p}: not a Lightning checkpoint (no 'state_dict' entry)")
     meta = ckpt.get("dflash")
     if not isinstance(meta, dict) or "drafters" not in meta:
-        raise ValueError(
+        raise UserError(
             f"{p}: no 'dflash' metadata in the checkpoint; it was not written by dflash-lit's "
             "training module (for a published drafter pass its z-lab directory instead)"
         )
     version = meta.get("version")
     if version not in SUPPORTED_CKPT_VERSIONS:
-        raise ValueError(
+        raise UserError(
             f"{p}: dflash checkpoint version {version!r} is not supported "
             f"(this code reads versions {list(SUPPORTED_CKPT_VERSIONS)})"
         )
@@ -77,15 +81,15 @@ def read_checkpoint_meta(path: str | Path) -> tuple[dict[str, Any], dict[str, An
 def _pick_name(meta: dict[str, Any], name: str | None, where: str) -> tuple[str, list[str]]:
     names = sorted(meta["drafters"])
     if not names:
-        raise ValueError(f"{where}: the checkpoint lists no drafters")
+        raise UserError(f"{where}: the checkpoint lists no drafters")
     if name is None:
         if len(names) > 1:
-            raise ValueError(
+            raise UserError(
                 f"{where} holds {len(names)} drafters {names}; choose one with drafter=<name>"
             )
         return names[0], names
     if name not in meta["drafters"]:
-        raise ValueError(f"{where}: no drafter named {name!r}; available: {names}")
+        raise UserError(f"{where}: no drafter named {name!r}; available: {names}")
     return name, names
 
 
@@ -125,10 +129,10 @@ def load_drafter(
     try:
         cfg = DFlashConfig(**entry["config"])
     except (KeyError, TypeError) as e:
-        raise ValueError(f"{p}: drafter {chosen!r} has no usable config ({e})") from None
+        raise UserError(f"{p}: drafter {chosen!r} has no usable config ({e})") from None
     state = _drafter_state(ckpt["state_dict"], chosen)
     if not state:
-        raise ValueError(
+        raise UserError(
             f"{p}: no state_dict tensors under 'drafters.{chosen}.'; the metadata and the weights "
             "disagree (was the checkpoint written by a different module layout?)"
         )
@@ -145,58 +149,3 @@ def load_drafter(
 def _common_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
     dtypes = {t.dtype for t in state.values()}
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
-
-
-def target_dims(target: nn.Module) -> dict[str, int]:
-    """hidden_size / num_layers / vocab_size of an HF causal LM (or ``FrozenTarget``)."""
-    model = target.model if isinstance(target, FrozenTarget) else target
-    cfg = getattr(model, "config", None)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    hidden = int(model.get_input_embeddings().weight.shape[1])
-    head = model.get_output_embeddings()
-    vocab = int(head.weight.shape[0]) if head is not None else int(getattr(text, "vocab_size", 0))
-    return {"hidden_size": hidden, "num_layers": int(text.num_hidden_layers), "vocab_size": vocab}
-
-
-def check_compatible(drafter_cfg: DFlashConfig, target: nn.Module) -> dict[str, int]:
-    """Raise ValueError (naming both values) when the drafter cannot run on ``target``.
-
-    Checks hidden size (shared embed / lm_head), that every context layer id exists in the
-    target, vocab size (when the drafter records one) and that the mask token is in the
-    target's vocab. Returns the target's dims.
-    """
-    dims = target_dims(target)
-    c = drafter_cfg
-    problems = []
-    if c.hidden_size != dims["hidden_size"]:
-        problems.append(
-            f"hidden size: drafter hidden_size={c.hidden_size} but target hidden size="
-            f"{dims['hidden_size']} (the drafter shares the target's embed_tokens / lm_head)"
-        )
-    bad = [i for i in c.target_layer_ids if not 0 <= i < dims["num_layers"]]
-    if bad:
-        problems.append(
-            f"layer ids: drafter target_layer_ids={c.target_layer_ids} include {bad}, but the "
-            f"target has {dims['num_layers']} decoder layers (valid 0..{dims['num_layers'] - 1})"
-        )
-    if c.vocab_size and c.vocab_size != dims["vocab_size"]:
-        problems.append(
-            f"vocab: drafter vocab_size={c.vocab_size} but target vocab size={dims['vocab_size']}"
-        )
-    if not 0 <= c.mask_token_id < dims["vocab_size"]:
-        problems.append(
-            f"mask token: drafter mask_token_id={c.mask_token_id} is outside the target vocab "
-            f"(size {dims['vocab_size']})"
-        )
-    if not problems and c.num_target_layers != dims["num_layers"]:
-        warnings.warn(
-            f"drafter num_target_layers={c.num_target_layers} but the target has "
-            f"{dims['num_layers']} layers; its ids {c.target_layer_ids} are in range, continuing",
-            stacklevel=2,
-        )
-    if problems:
-        raise ValueError(
-            "drafter and target do not match — " + "; ".join(problems)
-            + ". Evaluate the drafter against the target it was trained for."
-        )
-    return dims

@@ -4,7 +4,7 @@ Teacher-forced blocks at *every* completion anchor (training's anchor candidates
 batched forwards with the training layout and dense mask. ``streak`` = leading correct slots
 per block; offline τ = mean streak + 1. Real decoding only anchors where the previous step
 stopped, so the gap between offline τ and online ``tau_chain`` shows how much the anchors
-decoding visits differ from uniform ones (DESIGN §6).
+decoding visits differ from uniform ones (docs/ARCHITECTURE.md §6).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_lit.data.anchors import anchor_candidates
+from dflash_lit.eval.streak import streak_of
 from dflash_lit.eval.target_runner import TargetRunner
 from dflash_lit.model.block_forward import draft_hidden
 from dflash_lit.model.drafter import DFlashDrafter
 from dflash_lit.model.layout import IGNORE, build_layout
-from dflash_lit.train.anchors import anchor_candidates
 
 
 @dataclass
@@ -81,8 +82,7 @@ def offline_streak(
         labels = layout.labels.cpu()
         ok = (pred == labels)[0, :, 1:]  # [N, Bs-1]
         has = (labels != IGNORE)[0, :, 1:]
-        # streak: leading slots that are valid and correct
-        lead = (ok & has).long().cumprod(dim=1).sum(dim=1)
+        lead = streak_of(ok & has)
         res.anchors.extend(anchors[0].tolist())
         res.streaks.extend(lead.tolist())
         for k in range(bs - 1):

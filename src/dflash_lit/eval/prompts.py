@@ -5,6 +5,8 @@
   ([{role, content}, ...]; a trailing assistant message is dropped). Optional ``id`` field.
 - ``tiny_heldout``: ``artifacts/tiny/prompts/eval.jsonl`` (field ``prompt``), built by
   ``python -m dflash_lit.tiny``.
+
+Token ids come from ``dflash_lit.data.render.PromptRenderer``, the renderer regeneration uses.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_lit.errors import UserError
+
 PROMPT_SETS = ("humaneval", "jsonl", "tiny_heldout")
 TINY_HELDOUT = Path("artifacts/tiny/prompts/eval.jsonl")
 
 
-class PromptSetError(ValueError):
+class PromptSetError(UserError):
     """Bad prompt-set input: names the set or file:line and what to do."""
 
 
@@ -120,30 +124,3 @@ def _make(value: Any, pid: str, where: str, field: str) -> EvalPrompt:
         f"{where}: field {field!r} must be a string or a list of {{role, content}} messages, "
         f"got {type(value).__name__}"
     )
-
-
-def render(prompt: EvalPrompt, tokenizer: Any, chat_template: str | bool = "auto") -> list[int]:
-    """Token ids of a prompt.
-
-    ``chat_template``: ``auto`` applies the tokenizer's chat template when it has one (chat
-    messages always need one), ``true`` requires it, ``false`` tokenizes the raw text.
-    """
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    mode = str(chat_template).lower()
-    if mode not in ("auto", "true", "false"):
-        raise PromptSetError(f"chat_template={chat_template!r}: use auto, true or false")
-    use = has_template if mode == "auto" else mode == "true"
-    if prompt.messages is not None and not use:
-        raise PromptSetError(
-            f"prompt {prompt.id}: chat messages need a chat template, but "
-            + ("chat_template=false" if mode == "false" else "the tokenizer has none")
-        )
-    if use:
-        if not has_template:
-            raise PromptSetError("chat_template=true but the target's tokenizer has no chat template")
-        msgs = prompt.messages or [{"role": "user", "content": prompt.text}]
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer(prompt.text)["input_ids"]]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dflash_lit.errors import UserError
 from dflash_lit.eval.offline import offline_streak
 from dflash_lit.eval.speculative import (
     GenerationResult,
@@ -52,24 +53,24 @@ class EvalSettings:
     def validate(self) -> None:
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
-            raise ValueError(f"methods={list(self.methods)}: unknown {bad}; choose from {list(METHODS)}")
+            raise UserError(f"methods={list(self.methods)}: unknown {bad}; choose from {list(METHODS)}")
         if "tree" in self.methods and not self.budgets:
-            raise ValueError("budgets=[]: method tree needs at least one node budget (e.g. [4, 8])")
+            raise UserError("budgets=[]: method tree needs at least one node budget (e.g. [4, 8])")
         for b in self.budgets:
             if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-                raise ValueError(
+                raise UserError(
                     f"budgets={list(self.budgets)}: budget {b!r} is invalid; a DDTree node "
                     "budget (root excluded) must be an int >= 1"
                 )
         if len(set(self.budgets)) != len(self.budgets):
-            raise ValueError(f"budgets={list(self.budgets)} lists a budget twice")
+            raise UserError(f"budgets={list(self.budgets)} lists a budget twice")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be an int >= 1")
+            raise UserError(f"max_new_tokens={self.max_new_tokens!r}: must be an int >= 1")
         if self.block_size is not None and self.block_size < 2:
-            raise ValueError(f"block_size={self.block_size}: need >= 2 (anchor + one draft) or null")
+            raise UserError(f"block_size={self.block_size}: need >= 2 (anchor + one draft) or null")
         if not 1 <= self.ngram_n_min <= self.ngram_n_max:
-            raise ValueError(
+            raise UserError(
                 f"ngram n_min={self.ngram_n_min}, n_max={self.ngram_n_max}: need 1 <= n_min <= n_max"
             )
 

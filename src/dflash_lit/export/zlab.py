@@ -2,7 +2,7 @@
 
 ``config.json`` keeps z-lab ``target_layer_ids`` (id i = output of decoder layer i). vLLM and
 SGLang read those ids from ``dflash_config`` and convert internally; only a serving-side field
-that takes "input of layer" ids would need id + 1 (DESIGN §2, NOTES).
+that takes "input of layer" ids would need id + 1 (docs/ARCHITECTURE.md §1).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from typing import Any
 
 import torch
 
+from dflash_lit.dtypes import parse_dtype
 from dflash_lit.eval.loading import DrafterInfo, load_drafter
 from dflash_lit.model.drafter import DFlashDrafter
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -31,15 +30,6 @@ class ExportResult:
     logits_max_abs_diff: float | None  # the same through an lm_head (target's, or a random one)
     weights_equal: bool  # reloaded tensors == source tensors cast to the export dtype
     info: dict[str, Any] = field(default_factory=dict)
-
-
-def parse_dtype(name: str | None) -> torch.dtype | None:
-    """``None``/"keep" keeps the source dtype; else one of ``DTYPES``."""
-    if name in (None, "", "keep", "null"):
-        return None
-    if name not in DTYPES:
-        raise ValueError(f"dtype={name!r}: choose one of {sorted(DTYPES)} (or keep)")
-    return DTYPES[name]
 
 
 def serve_readme(drafter: DFlashDrafter, out_dir: Path, info: DrafterInfo) -> str:
@@ -159,7 +149,8 @@ def export_zlab(
     given) turns outputs into logits, otherwise a fixed random projection stands in (the
     target's head is not in the checkpoint). With ``dtype`` None the diffs are exactly 0.
     """
-    td = dtype if isinstance(dtype, torch.dtype) or dtype is None else parse_dtype(dtype)
+    td = (dtype if isinstance(dtype, torch.dtype) or dtype is None
+          else parse_dtype(dtype, "dtype", keep=True))
     drafter, info = load_drafter(ckpt, name)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file():

@@ -85,7 +85,7 @@ class DFlashConfig:
 
     # ------------------------------------------------------------------ z-lab config.json
     def to_zlab_dict(self) -> dict[str, Any]:
-        """The z-lab / vLLM / SGLang `config.json` content (DESIGN §7)."""
+        """The z-lab / vLLM / SGLang `config.json` content (docs/ARCHITECTURE.md §3)."""
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",

@@ -1,6 +1,6 @@
 """The DFlash drafter: Qwen3-style layers whose keys/values see the fused target context.
 
-z-lab reference semantics (DESIGN §2). The drafter owns no embedding and no lm_head: block
+z-lab reference semantics (docs/ARCHITECTURE.md §1). The drafter owns no embedding and no lm_head: block
 inputs are embedded with the target's frozen ``embed_tokens`` and its final-normed outputs go
 through the target's ``lm_head``. Its state-dict names are exactly the z-lab export names.
 """
@@ -234,7 +234,7 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------ z-lab IO
     def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` in the z-lab layout (DESIGN §7)."""
+        """Write ``config.json`` + ``model.safetensors`` in the z-lab layout (docs/ARCHITECTURE.md §3)."""
         from safetensors.torch import save_file
 
         out = Path(out_dir)

@@ -1,6 +1,6 @@
 """Attention masks for the training layout: dense boolean (CPU/SDPA) and flex BlockMask (GPU).
 
-Visibility (DESIGN §2): a block anchored at a sees real context keys at positions < a
+Visibility (docs/ARCHITECTURE.md §2): a block anchored at a sees real context keys at positions < a
 (strictly: the anchor has not been through the target at inference) and every key of its own
 block (bidirectional). Nothing else. Invalid (padding) blocks see only their own block, so no
 query row is fully masked (SDPA would return NaN for it).

@@ -146,7 +146,7 @@ def build(out: Path, preset: TinyPreset, seed: int = 0, work: Path | None = None
         "prompts": {"train": len(tr_prompts), "eval": len(ev_prompts)},
         "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
                      "tokenizers": _version("tokenizers"), "lightning": _version("lightning")},
-        "command": " ".join(sys.argv), "num_threads": torch.get_num_threads(),
+        "command": " ".join(["python -m dflash_lit.tiny", *sys.argv[1:]]), "num_threads": torch.get_num_threads(),
     }
 
     def snapshot(m: torch.nn.Module, step: int) -> None:

@@ -7,6 +7,8 @@ import hashlib
 import torch
 from torch import Tensor
 
+from dflash_lit.data.anchors import anchor_candidates
+
 
 def step_generator(seed: int, step: int, rank: int, salt: str = "anchors") -> torch.Generator:
     """A CPU generator whose state is a pure function of (seed, step, rank, salt).
@@ -17,20 +19,6 @@ def step_generator(seed: int, step: int, rank: int, salt: str = "anchors") -> to
     g = torch.Generator(device="cpu")
     g.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
     return g
-
-
-def anchor_candidates(loss_mask: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-    """Bool [B, S]: positions a >= 1 whose next token is a completion token.
-
-    A block anchored at a sees context < a, so a = 0 (no context) is never a candidate.
-    """
-    lm = loss_mask.bool()
-    cand = torch.zeros_like(lm)
-    cand[:, :-1] = lm[:, 1:]
-    cand[:, 0] = False
-    if attention_mask is not None:
-        cand &= attention_mask.bool()
-    return cand
 
 
 def sample_anchors(

@@ -6,19 +6,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_lit.config_types import check_values
+from dflash_lit.dtypes import parse_dtype
+from dflash_lit.errors import UserError
 from dflash_lit.model.config import DFlashConfig, default_target_layer_ids
+from dflash_lit.train.losses import build_loss
+from dflash_lit.train.overrides import DRAFTER_KEYS, check_loss, check_overrides, check_schedule
 from dflash_lit.train.spec import AnchorSpec, DrafterSpec, NoiseSpec
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"target.dtype={name!r}: use one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
 
 
 # ---------------------------------------------------------------------- target
@@ -36,7 +32,7 @@ def target_hf_config(tcfg: DictConfig):
         return AutoConfig.from_pretrained(str(p))
     if tcfg.get("build"):
         return _build_random(tcfg.build).config
-    raise ValueError("target: set target.path (an HF model dir) or target.build (random tiny)")
+    raise UserError("target: set target.path (an HF model dir) or target.build (random tiny)")
 
 
 def _build_random(build: DictConfig):
@@ -47,7 +43,7 @@ def _build_random(build: DictConfig):
     fn = {"tiny_qwen3": random_targets.tiny_qwen3, "tiny_hybrid": random_targets.tiny_hybrid,
           "tiny_llama": random_targets.tiny_llama}
     if kind not in fn:
-        raise ValueError(f"target.build.kind={kind!r}: use one of {sorted(fn)}")
+        raise UserError(f"target.build.kind={kind!r}: use one of {sorted(fn)}")
     return fn[kind](**kw)
 
 
@@ -59,7 +55,7 @@ def build_target(tcfg: DictConfig, layer_ids: list[int]):
     """FrozenTarget capturing ``layer_ids`` (the union over drafters)."""
     from dflash_lit.model.target import FrozenTarget
 
-    dtype = _dtype(tcfg.get("dtype", "float32"))
+    dtype = parse_dtype(tcfg.get("dtype", "float32"), "target.dtype")
     if tcfg.get("path"):
         return FrozenTarget.from_pretrained(
             tcfg.path, layer_ids, dtype=dtype,
@@ -79,14 +75,14 @@ def resolve_mask_token_id(tcfg: DictConfig, vocab_size: int) -> int:
         tok = AutoTokenizer.from_pretrained(str(tcfg.path))
         mid = tok.convert_tokens_to_ids(tcfg.mask_token)
         if mid is None or mid == tok.unk_token_id:
-            raise ValueError(
+            raise UserError(
                 f"target.mask_token={tcfg.mask_token!r} is not in the tokenizer at {tcfg.path}; "
                 "add it as a special token or set target.mask_token_id"
             )
     else:
-        raise ValueError("target: no mask token; set target.mask_token_id or target.mask_token")
+        raise UserError("target: no mask token; set target.mask_token_id or target.mask_token")
     if not 0 <= mid < vocab_size:
-        raise ValueError(f"target.mask_token_id={mid} is outside the vocab (size {vocab_size})")
+        raise UserError(f"target.mask_token_id={mid} is outside the vocab (size {vocab_size})")
     return mid
 
 
@@ -127,20 +123,23 @@ def _merge_section(cfg: DictConfig, over: DictConfig, key: str) -> dict[str, Any
 def build_specs(cfg: DictConfig, info: dict[str, Any]) -> list[DrafterSpec]:
     """One DrafterSpec per entry of ``drafters:``, defaults from the drafter/loss/schedule/optim groups."""
     if not cfg.get("drafters"):
-        raise ValueError("drafters: empty; give at least one drafter (conf/drafters/single.yaml)")
+        raise UserError("drafters: empty; give at least one drafter (conf/drafters/single.yaml)")
     mask_id = resolve_mask_token_id(cfg.target, info["vocab_size"])
     specs = []
     for name, over in cfg.drafters.items():
         over = over or OmegaConf.create({})
-        unknown = set(over) - {"drafter", "loss", "schedule", "optim"}
-        if unknown:
-            raise ValueError(
-                f"drafters.{name}: unknown keys {sorted(unknown)}; use drafter, loss, schedule, optim"
-            )
-        d = _merge_section(cfg, over, "drafter")
+        raw = OmegaConf.to_container(over, resolve=True) if OmegaConf.is_config(over) else over
+        check_overrides(str(name), raw)  # before merging: a bad override names its own path
         loss = _merge_section(cfg, over, "loss")
+        if raw.get("loss"):
+            check_loss(f"drafters.{name}.loss", raw["loss"], loss.get("name"))
+        d = _merge_section(cfg, over, "drafter")
         sched = _merge_section(cfg, over, "schedule")
         opt = _merge_section(cfg, over, "optim")
+        check_values(d, DRAFTER_KEYS, "drafter")
+        check_schedule("schedule", sched)
+        check_loss("loss", loss, loss.get("name"))
+        build_loss(**loss)  # range checks of loss.* (γ > 0, ...) before any weights load
         L = info["num_layers"]
         ids = d.pop("target_layer_ids", None)
         k = int(d.pop("num_context_layers", 5))
@@ -155,7 +154,7 @@ def build_specs(cfg: DictConfig, info: dict[str, Any]) -> list[DrafterSpec]:
                 vocab_size=info["vocab_size"], mask_token_id=mask_id, **d,
             )
         except (TypeError, ValueError) as e:  # name the drafter (config keys: drafter.*)
-            raise ValueError(f"drafters.{name}: {e}") from None
+            raise UserError(f"drafters.{name}: {e}") from None
         specs.append(
             DrafterSpec(
                 name=str(name), model=model, loss=loss,
@@ -181,7 +180,7 @@ def _scaled_anchors(anchors: dict[str, Any], scale: float) -> AnchorSpec:
     """Anchors per sequence times ``anchor_scale`` (conf/budget/): recipes count anchors for
     ~3k-token sequences; shorter data keeps the same anchor density with fewer."""
     if not 0 < scale <= 1:
-        raise ValueError(f"anchor_scale={scale}: must be in (0, 1] (conf/budget/)")
+        raise UserError(f"anchor_scale={scale}: must be in (0, 1] (conf/budget/)")
     spec = AnchorSpec(**anchors)
     if scale == 1.0:
         return spec

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from dflash_lit.atomic import atomic_write
+from dflash_lit.errors import UserError
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
@@ -39,7 +40,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             return torch.load(p, map_location=map_location or "cpu", weights_only=False)
         except Exception as e:
-            raise ValueError(
+            raise UserError(
                 f"checkpoint {p} is corrupt or truncated ({type(e).__name__}: {e}); resume from "
                 "an earlier checkpoint in the same directory"
             ) from None

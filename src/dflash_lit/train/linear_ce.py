@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash_lit.train.losses import IGNORE_INDEX, LossOutput, position_weights, valid_mask
+from dflash_lit.model.layout import IGNORE
+from dflash_lit.train.losses import LossOutput, position_weights, valid_mask
 
 
 class _LinearCE(torch.autograd.Function):
@@ -112,7 +113,7 @@ def fused_hard_ce(
     )
     per_slot = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)
     per_slot[valid] = ce
-    pred = torch.full(valid.shape, IGNORE_INDEX, dtype=torch.long, device=hidden.device)
+    pred = torch.full(valid.shape, IGNORE, dtype=torch.long, device=hidden.device)
     pred[valid] = pred_v
     return LossOutput(loss=loss, per_slot_ce=per_slot, weight_sum=weight_sum.detach(),
                       n_valid=valid.sum()), pred

@@ -3,7 +3,7 @@
 Tensor conventions (shared with the LightningModule and the metrics):
 
 - ``logits``        [B, N, Bs, V]  drafter logits, N blocks of Bs slots per sequence.
-- ``labels``        [B, N, Bs]     LongTensor, ``IGNORE_INDEX`` (-100) where invalid. Slot 0
+- ``labels``        [B, N, Bs]     LongTensor, ``IGNORE`` (-100) where invalid. Slot 0
   (the given anchor token) is ignored whatever its label says.
 - ``target_logits`` [B, N, Bs, V]  the target's logits for the same predicted positions
   (slot k predicts position a+k, so ``target_logits[..., k, :]`` is the target's output at
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from dflash_lit.model.layout import IGNORE
 
 LabelSource = Literal["data", "target_argmax"]
 _LABEL_SOURCES: tuple[str, ...] = ("data", "target_argmax")
@@ -120,7 +120,7 @@ def check_block_inputs(
 
 def valid_mask(labels: Tensor) -> Tensor:
     """[B, N, Bs] bool: slots that are predictions with a label (slot >= 1, label != -100)."""
-    valid = labels != IGNORE_INDEX
+    valid = labels != IGNORE
     valid[..., 0] = False
     return valid
 
@@ -142,7 +142,7 @@ def target_argmax_labels(target_logits: Tensor, labels: Tensor) -> Tensor:
             f"[B, N, Bs, V] with [B, N, Bs] = labels shape {tuple(labels.shape)}"
         )
     valid = valid_mask(labels)
-    return torch.where(valid, target_logits.argmax(-1), torch.full_like(labels, IGNORE_INDEX))
+    return torch.where(valid, target_logits.argmax(-1), torch.full_like(labels, IGNORE))
 
 
 def resolve_argmax_labels(argmax_per_slot: Tensor, labels: Tensor) -> Tensor:
@@ -151,7 +151,7 @@ def resolve_argmax_labels(argmax_per_slot: Tensor, labels: Tensor) -> Tensor:
     The same labels as ``target_argmax_labels`` from ids alone (a cache stores ids, not
     logits)."""
     return torch.where(valid_mask(labels), argmax_per_slot.to(labels.dtype),
-                       torch.full_like(labels, IGNORE_INDEX))
+                       torch.full_like(labels, IGNORE))
 
 
 def _scatter_slots(values: Tensor, valid: Tensor) -> Tensor:

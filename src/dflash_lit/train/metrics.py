@@ -32,7 +32,9 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from dflash_lit.eval.ddtree import batched_label_acceptance, build_ddtree_batched
-from dflash_lit.train.losses import IGNORE_INDEX, LossOutput, check_block_inputs, valid_mask
+from dflash_lit.eval.streak import streak_of
+from dflash_lit.model.layout import IGNORE
+from dflash_lit.train.losses import LossOutput, check_block_inputs, valid_mask
 
 __all__ = [
     "DrafterMetrics",
@@ -91,8 +93,7 @@ def accuracy_per_position(logits: Tensor, labels: Tensor) -> Tensor:
 
 def streak_lengths(logits: Tensor, labels: Tensor) -> Tensor:
     """[B, N] int64: leading correct slots from slot 1, stopping at the first wrong/invalid."""
-    correct = block_correct(logits, labels)[..., 1:].long()
-    return torch.cumprod(correct, dim=-1).sum(-1)
+    return streak_of(block_correct(logits, labels)[..., 1:])
 
 
 def streak(logits: Tensor, labels: Tensor) -> Tensor:
@@ -148,7 +149,7 @@ def tree_acceptance_lengths(
         return out
     lp, ids = topk_log_probs(logits[vb], k)  # [M, Bs, k]
     tree = build_ddtree_batched(lp[:, 1:], ids[:, 1:], budget)
-    lab = torch.where(valid_mask(labels), labels, torch.full_like(labels, IGNORE_INDEX))[vb]
+    lab = torch.where(valid_mask(labels), labels, torch.full_like(labels, IGNORE))[vb]
     out[vb] = batched_label_acceptance(tree, lab)
     return out
 
@@ -238,7 +239,7 @@ class DrafterMetrics(Metric):
         self.pos_valid += valid.flatten(0, 1).sum(0)
         self.pos_correct += correct.flatten(0, 1).sum(0)
         self.n_blocks += vb.sum()
-        self.streak_sum += torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)[vb].sum()
+        self.streak_sum += streak_of(correct[..., 1:])[vb].sum()
         for i, budget in enumerate(self.tree_budgets):
             self.tree_sum[i] += tree_acceptance_lengths(
                 logits, labels, budget, self.tree_topk

@@ -18,6 +18,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from dflash_lit.checkpoint_format import CKPT_VERSION
+from dflash_lit.compat import check_compatible
 from dflash_lit.model.block_forward import draft_hidden
 from dflash_lit.model.drafter import DFlashDrafter
 from dflash_lit.model.layout import build_layout, gather_target_argmax, gather_target_logits
@@ -28,8 +30,6 @@ from dflash_lit.train.losses import HardCELoss, build_loss, resolve_argmax_label
 from dflash_lit.train.metrics import DrafterMetrics, accuracy, streak
 from dflash_lit.train.schedules import lr_factor, max_anchors_at, noise_sigma
 from dflash_lit.train.spec import DrafterSpec
-
-CKPT_VERSION = 1
 
 
 def _seed_int(*parts: Any) -> int:
@@ -117,22 +117,7 @@ class DFlashModule(L.LightningModule):
         return self._target
 
     def _check_drafter_vs_target(self, s: DrafterSpec) -> None:
-        t = self._target
-        if s.model.hidden_size != t.hidden_size:
-            raise ValueError(
-                f"drafters.{s.name}: drafter hidden_size={s.model.hidden_size} != target "
-                f"hidden_size={t.hidden_size}; the drafter shares the target's embeddings and "
-                "lm_head, so set drafter.hidden_size to the target's"
-            )
-        if s.model.num_target_layers != t.num_layers:
-            raise ValueError(
-                f"drafters.{s.name}: num_target_layers={s.model.num_target_layers} but the "
-                f"target has {t.num_layers} decoder layers"
-            )
-        if s.model.vocab_size and s.model.vocab_size != t.vocab_size:
-            raise ValueError(
-                f"drafters.{s.name}: vocab_size={s.model.vocab_size} != target vocab {t.vocab_size}"
-            )
+        check_compatible(s.model, self._target, f"drafters.{s.name} and the target")
 
     def schedules_at(self, step: int) -> None:
         """Set every drafter's noise σ and anchor count for ``step`` (pure functions)."""

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lit.atomic import remove_stale_temporaries
 from dflash_lit.data.vocab import check_data_tokenizer
+from dflash_lit.errors import input_checks
 from dflash_lit.train.build import (
     build_callbacks,
     build_loggers,
@@ -25,6 +26,7 @@ from dflash_lit.train.checkpoint import check_checkpoint_matches
 from dflash_lit.train.checkpoint_io import AtomicCheckpointIO
 from dflash_lit.train.module import DFlashModule
 from dflash_lit.train.resume import resolve_ckpt_path
+from dflash_lit.train.validate import check_config
 
 
 def _auto(value, on_cuda, off_cuda):
@@ -64,6 +66,7 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
     Cheap checks come first (target config without weights, drafter specs, data) so bad input
     fails before any weights load. Shared by ``train`` and the bench/ scripts.
     """
+    check_config(cfg)
     info = target_info(cfg.target)
     specs = build_specs(cfg, info)
     max_bs = max(s.model.block_size for s in specs)
@@ -102,16 +105,22 @@ def train(cfg: DictConfig) -> float | None:
     run_root = Path(cfg.paths.log_dir) / cfg.run_name
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
 
-    # 1. The checkpoint to resume (a bad path fails at once), then data and models.
-    ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), run_root, list(hc.overrides.task), run_dir)
-    # half-written checkpoints of earlier runs killed mid-save (each as large as a checkpoint)
-    for f in remove_stale_temporaries(run_root.glob("**/checkpoints")):
-        print(f"removed {f}: a partial checkpoint write of a killed run", flush=True)
-    module, dm, total = build_run(cfg)
-    if ckpt is not None:  # fail before training on a checkpoint from another setup
-        meta = AtomicCheckpointIO().load_checkpoint(ckpt)
-        check_checkpoint_matches(meta, module.checkpoint_meta(), str(ckpt))
-        print(f"resuming from {ckpt}", flush=True)
+    # 1. The checkpoint to resume (a bad path fails at once), then data and models. Every
+    # ValueError up to the first step is about the user's config, data or checkpoint.
+    with input_checks():
+        check_config(cfg)
+        # half-written checkpoints of runs killed mid-save (each as large as a checkpoint)
+        dirs = [*run_root.glob("**/checkpoints"), run_dir / "checkpoints"]
+        for f in remove_stale_temporaries(dict.fromkeys(d for d in dirs if d.is_dir())):
+            print(f"removed {f}: a partial checkpoint write of a killed run", flush=True)
+        ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), run_root, list(hc.overrides.task),
+                                 run_dir, strict=bool(cfg.get("resume_strict", False)))
+        # read before the target's weights load: a corrupt file fails first
+        saved = {"dflash": AtomicCheckpointIO().load_checkpoint(ckpt).get("dflash")} if ckpt else None
+        module, dm, total = build_run(cfg)
+        if saved is not None:  # fail before training on a checkpoint from another setup
+            check_checkpoint_matches(saved, module.checkpoint_meta(), str(ckpt))
+            print(f"resuming from {ckpt}", flush=True)
 
     # 2. Trainer, loggers, callbacks; the resolved config is saved next to the run.
     loggers = build_loggers(cfg.get("logger"), run_dir, ckpt.parent.parent if ckpt else None)

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_lit.errors import UserError
 from dflash_lit.model.config import DFlashConfig
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -50,16 +51,16 @@ class DrafterSpec:
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
-            raise ValueError(
+            raise UserError(
                 f"drafters.{self.name}: drafter names must be identifiers (letters, digits, _)"
             )
         if self.anchors.max < 1:
-            raise ValueError(f"drafters.{self.name}.anchors.max={self.anchors.max}: must be >= 1")
+            raise UserError(f"drafters.{self.name}.anchors.max={self.anchors.max}: must be >= 1")
         if self.noise.kind not in ("gaussian", "uniform"):
-            raise ValueError(
+            raise UserError(
                 f"drafters.{self.name}.noise.kind={self.noise.kind!r}: use gaussian or uniform"
             )
         if min(self.noise.peak, self.noise.final) < 0:
-            raise ValueError(f"drafters.{self.name}.noise: peak/final must be >= 0")
+            raise UserError(f"drafters.{self.name}.noise: peak/final must be >= 0")
         if self.lr <= 0:
-            raise ValueError(f"drafters.{self.name}.lr={self.lr}: must be > 0")
+            raise UserError(f"drafters.{self.name}.optim.lr={self.lr}: must be > 0")

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from dflash_lit.errors import UserError
+
 
 @dataclass
 class GenRequest:
@@ -90,4 +92,4 @@ def make_backend(name: str, cfg: Any, target: str, tokenizer: Any, gen: Generati
         from dflash_lit.data.backends.openai import OpenAIBackend
 
         return OpenAIBackend(tokenizer, gen, **dict(cfg.openai))
-    raise ValueError(f"backend: {name!r} is not one of 'hf', 'openai'")
+    raise UserError(f"backend: {name!r} is not one of 'hf', 'openai'")

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from dflash_lit.data.backends import GenerationSettings, GenRequest, GenResult
+from dflash_lit.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -73,24 +74,20 @@ class HFBackend:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
 
+        from dflash_lit.dtypes import parse_dtype
+
         if batch_size < 1:
-            raise ValueError(f"hf.batch_size: must be >= 1, got {batch_size}")
+            raise UserError(f"hf.batch_size: must be >= 1, got {batch_size}")
         self.tokenizer, self.gen, self.batch_size = tokenizer, gen, int(batch_size)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        if dtype == "auto":
-            on_gpu = self.device.type == "cuda"
-            torch_dtype = torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float32
-        else:
-            torch_dtype = getattr(torch, str(dtype), None)
-            if not isinstance(torch_dtype, torch.dtype):
-                raise ValueError(f"hf.dtype: {dtype!r} is not a torch dtype (auto|float32|bfloat16|float16)")
+        torch_dtype = parse_dtype(dtype, "hf.dtype", device=self.device)
         try:
             kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
             model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, **kw)
         except Exception as e:
-            raise RuntimeError(f"hf backend: cannot load the target model from {target}: {e}") from e
+            raise UserError(f"hf backend: cannot load the target model from {target}: {e}") from e
         self.model = model.to(self.device).eval()
         pad = tokenizer.pad_token_id
         if pad is None:

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_lit.data.backends import GenerationSettings, GenRequest, GenResult
+from dflash_lit.errors import UserError
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
 
 
-class ServerError(RuntimeError):
+class ServerError(UserError, RuntimeError):
     """The server could not be used (unreachable after retries, or a fatal HTTP error)."""
 
 
@@ -69,11 +70,11 @@ class OpenAIBackend:
         extra_body: dict[str, Any] | None = None,
     ) -> None:
         if endpoint not in ENDPOINTS:
-            raise ValueError(f"openai.endpoint: {endpoint!r} is not one of {sorted(ENDPOINTS)}")
+            raise UserError(f"openai.endpoint: {endpoint!r} is not one of {sorted(ENDPOINTS)}")
         if prompt_as not in ("ids", "text"):
-            raise ValueError(f"openai.prompt_as: {prompt_as!r} is not 'ids' or 'text'")
+            raise UserError(f"openai.prompt_as: {prompt_as!r} is not 'ids' or 'text'")
         if concurrency < 1 or max_retries < 0 or timeout_s <= 0:
-            raise ValueError("openai: need concurrency >= 1, max_retries >= 0, timeout_s > 0")
+            raise UserError("openai: need concurrency >= 1, max_retries >= 0, timeout_s > 0")
         self.tokenizer, self.gen = tokenizer, gen
         self.base_url = base_url.rstrip("/")
         self.endpoint, self.prompt_as = endpoint, prompt_as
@@ -190,7 +191,7 @@ class OpenAIBackend:
             body["stop_token_ids"] = list(g.stop_token_ids)  # vLLM / SGLang extension
         if self.endpoint == "chat":
             if r.messages is None:
-                raise ValueError(f"{r.id}: openai.endpoint=chat needs chat prompts (chat on)")
+                raise UserError(f"{r.id}: openai.endpoint=chat needs chat prompts (chat on)")
             body["messages"] = r.messages
             if self.chat_template_kwargs:
                 body["chat_template_kwargs"] = self.chat_template_kwargs

@@ -1,0 +1,162 @@
+"""``evaluate.py``: acceptance length τ of a drafter by real greedy speculative decoding.
+
+Config: ``conf/tools/evaluate.yaml``. Writes report.json, summary.md and acceptance.png; the
+exit status is 1 when a method is not lossless (and ``fail_on_mismatch``), 2 on a user error.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dflash_lit.compat import check_compatible
+from dflash_lit.data.render import PromptRenderer, resolve_chat
+from dflash_lit.data.vocab import check_tokenizer_fits, tokenizer_fingerprint
+from dflash_lit.dtypes import parse_dtype
+from dflash_lit.errors import UserError, input_checks
+from dflash_lit.eval.loading import load_drafter
+from dflash_lit.eval.prompts import load_prompts
+from dflash_lit.eval.report import (
+    EvalSettings,
+    LosslessError,
+    check_lossless,
+    run_evaluation,
+    write_outputs,
+)
+
+log = logging.getLogger("evaluate")
+
+
+def settings_from_cfg(cfg: DictConfig) -> EvalSettings:
+    """Validated decoding settings (cheap: before anything loads)."""
+    s = EvalSettings(
+        methods=list(cfg.methods),
+        budgets=[b for b in cfg.budgets],
+        max_new_tokens=cfg.max_new_tokens,
+        block_size=cfg.block_size,
+        tree_top_k=cfg.tree_top_k,
+        ngram_n_max=cfg.ngram.n_max,
+        ngram_n_min=cfg.ngram.n_min,
+        offline_streak=bool(cfg.offline_streak),
+        warmup=bool(cfg.warmup),
+    )
+    s.validate()
+    return s
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` → cuda when available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise UserError(f"device={device!r}: {e}; use auto, cpu, cuda or cuda:N") from None
+
+
+def resolve_target_path(cfg: DictConfig, info_target: dict[str, Any]) -> str:
+    """``target=`` or the path the checkpoint recorded; a local path must exist."""
+    path = cfg.target or info_target.get("path")
+    if not path:
+        raise UserError(
+            "no target: the drafter source records none (a z-lab directory); pass target=<HF dir or hub id>"
+        )
+    p = Path(path)
+    looks_local = p.is_absolute() or str(path).startswith(".") or len(p.parts) > 2
+    if looks_local and not p.exists():
+        where = "target=" if cfg.target else "the checkpoint's dflash.target.path"
+        from dflash_lit.targets import build_hint
+
+        raise FileNotFoundError(f"target {path} (from {where}) does not exist; pass "
+                                f"target=<path>{build_hint(path)}")
+    return str(path)
+
+
+def eos_ids_for(cfg: DictConfig, tokenizer: Any, model: Any) -> list[int]:
+    """``eos_ids`` or every eos id the tokenizer, generation config and model config name."""
+    if cfg.eos_ids is not None:
+        return [int(e) for e in cfg.eos_ids]
+    ids: set[int] = set()
+    for src in (getattr(tokenizer, "eos_token_id", None),
+                getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(model.config, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(e) for e in src)
+    return sorted(ids)
+
+
+def make_renderer(cfg: DictConfig, tokenizer: Any, where: str) -> PromptRenderer:
+    """The prompt renderer regeneration would build from the same keys."""
+    kwargs = OmegaConf.to_container(cfg.chat_template_kwargs, resolve=True) or {}
+    if not isinstance(kwargs, dict):
+        raise UserError(f"chat_template_kwargs={kwargs!r}: must be a mapping, e.g. "
+                        "{enable_thinking: false}")
+    return PromptRenderer(tokenizer, resolve_chat(cfg.chat, tokenizer, where), cfg.system_prompt,
+                          kwargs)
+
+
+def evaluate(cfg: DictConfig, out_dir: str | Path) -> int:
+    """Evaluate per ``cfg``; write outputs to ``out_dir``; return the exit status."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    settings = settings_from_cfg(cfg)  # cheap checks first: bad budgets fail before loading
+    prompts = load_prompts(cfg.prompts, cfg.prompts_path, cfg.prompts_field, cfg.limit)
+    device = resolve_device(str(cfg.device))
+    dtype = parse_dtype(str(cfg.dtype), "dtype", device=device)
+    torch.manual_seed(int(cfg.seed))
+    with input_checks():  # the files the user named: drafter, target, tokenizer
+        drafter, info = load_drafter(cfg.ckpt, cfg.drafter, dtype=dtype, device=device)
+        target_path = resolve_target_path(cfg, info.target)
+        log.info("drafter %s (%s), target %s, %d prompts", info.name or info.path, info.source,
+                 target_path, len(prompts))
+        model = AutoModelForCausalLM.from_pretrained(
+            target_path, dtype=dtype, attn_implementation=cfg.attn_implementation
+        ).to(device).eval()
+        dims = check_compatible(drafter.config, model)
+        tok_where = f"tokenizer={cfg.tokenizer or target_path}"
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or target_path)
+        check_tokenizer_fits(tokenizer, dims["vocab_size"], tok_where,
+                             "pass tokenizer=<the target's tokenizer dir> (default: the target dir)")
+        renderer = make_renderer(cfg, tokenizer, tok_where)
+        encoded = [(p.id, renderer.ids(p)) for p in prompts]
+    recorded = {k: info.target[k] for k in ("hidden_size", "num_layers", "vocab_size")
+                if k in info.target}
+    diff = {k: (v, dims[k]) for k, v in recorded.items() if v != dims[k]}
+    if diff:
+        log.warning("target %s differs from the one recorded at training (recorded, actual): %s",
+                    target_path, diff)
+    eos = eos_ids_for(cfg, tokenizer, model)
+    report = run_evaluation(model, drafter, encoded, settings, eos, progress=bool(cfg.progress))
+    report["drafter"] = info.to_dict()
+    report["target"] = {"path": target_path, **dims, "eos_ids": eos,
+                        "dtype": str(dtype).removeprefix("torch."), "device": str(device)}
+    report["prompts"] = {"set": cfg.prompts, "path": cfg.prompts_path, "limit": cfg.limit}
+    report["rendering"] = {**renderer.settings(), "tokenizer": cfg.tokenizer or target_path,
+                           "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+    report["config"] = OmegaConf.to_container(cfg, resolve=True)
+    paths = write_outputs(report, out_dir, plot=bool(cfg.plot))
+    print(Path(paths["summary"]).read_text())
+    log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
+    try:
+        check_lossless(report)
+    except LosslessError as e:
+        log.error("%s", e)
+        if dtype != torch.float32:
+            log.error("dtype=%s: a near-tie in the target's logits can flip between a batched "
+                      "verify pass and one-token decoding; rerun with dtype=float32 to tell "
+                      "numerics from a bug", str(dtype).removeprefix("torch."))
+        return 1 if cfg.fail_on_mismatch else 0
+    return 0
+
+
+def main(cfg: DictConfig) -> int:
+    """The body of ``evaluate.py``: outputs go to ``out`` or the Hydra run directory."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return evaluate(cfg, cfg.out or HydraConfig.get().runtime.output_dir)

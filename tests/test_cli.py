@@ -1,0 +1,86 @@
+"""Every entry point, run as a user runs it: a user error is one stderr line (what, where,
+what to do) with exit status 2 and no traceback, raised before any weights load."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from train_utils import REPO, base_overrides, make_shards
+
+from dflash_lit.tiny.random_targets import save_tiny, tiny_qwen3
+
+
+def run_entry(script: str, args: list[str], cwd: Path, timeout: float = 300):
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    env.pop("DFLASH_TRACEBACK", None)
+    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess, pattern: str) -> str:
+    import re
+
+    err = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and "HYDRA_FULL_ERROR" not in p.stderr, p.stderr
+    assert len(err) == 1, p.stderr
+    assert re.search(pattern, err[0]), err[0]
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def weightless_target(tmp_path_factory):
+    """A target directory whose config and tokenizer are fine but whose weights are missing:
+    an error about anything else proves the check ran before the weights load."""
+    d = save_tiny(tiny_qwen3(vocab_size=128), tmp_path_factory.mktemp("t") / "target")
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    return d
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_shards(tmp_path_factory.mktemp("cli_data") / "train", n=16)
+
+
+TRAIN_CASES = {
+    "value of the wrong type": (["data.token_budget=abc"], r"^error: data.token_budget='abc': expected an integer$"),
+    "out-of-range value": (["loss.gamma=-1"], r"^error: loss.gamma=-1: the position-decay constant must be > 0"),
+    "datamodule check": (["data.token_budget=16"], r"^error: data.max_length=128 exceeds data.token_budget=16: .*raise token_budget"),
+    "per-drafter key that is global": (["+drafters.main.optim.warmup_frac=0.1"],
+                                       r"^error: drafters.main.optim.warmup_frac: one value for the whole run.*set optim.warmup_frac"),
+    "unknown per-drafter key": (["+drafters.main.schedule.noise.sigma=0.1"],
+                                r"^error: drafters.main.schedule.noise.sigma: unknown key; accepted: \['final', 'kind', 'peak', 'warmup_frac'\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRAIN_CASES))
+def test_train_user_errors_are_one_line_before_the_weights_load(tmp_path, data, weightless_target, case):
+    ov, pattern = TRAIN_CASES[case]
+    args = base_overrides(tmp_path, data) + [f"target.path={weightless_target}", "target.build=null",
+                                             "target.mask_token_id=3", *ov]
+    assert_one_line_error(run_entry("train.py", args, tmp_path), pattern)
+
+
+def test_export_and_evaluate_refuse_a_file_that_is_not_a_checkpoint(tmp_path):
+    bad = tmp_path / "notes.ckpt"
+    bad.write_text("not a checkpoint\n")
+    pattern = rf"^error: ckpt={bad}: not a readable checkpoint \(UnpicklingError: .*\); pass a training .ckpt"
+    run = f"hydra.run.dir={tmp_path / 'run'}"
+    assert_one_line_error(run_entry("export.py", [f"ckpt={bad}", f"out={tmp_path / 'o'}", run], tmp_path),
+                          pattern)
+    assert_one_line_error(run_entry("evaluate.py", [f"ckpt={bad}", "prompts=tiny_heldout", run], tmp_path),
+                          pattern)
+
+
+def test_evaluate_unknown_prompt_set_and_regenerate_missing_target(tmp_path):
+    run = f"hydra.run.dir={tmp_path / 'run'}"
+    assert_one_line_error(run_entry("evaluate.py", ["ckpt=x.ckpt", "prompts=mbpp", run], tmp_path),
+                          r"^error: unknown prompt set 'mbpp': choose one of")
+    assert_one_line_error(
+        run_entry("regenerate.py", [f"target.path={tmp_path / 'none'}", run], tmp_path),
+        rf"^error: target.path: {tmp_path / 'none'} does not exist; pass target.path=")
