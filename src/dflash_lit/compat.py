@@ -8,11 +8,14 @@ from torch import nn
 
 from dflash_lit.errors import UserError
 from dflash_lit.model.config import DFlashConfig
-from dflash_lit.model.target import FrozenTarget
+from dflash_lit.model.target import FrozenTarget, TargetHeads
 
 
 def target_dims(target: nn.Module) -> dict[str, int]:
-    """hidden_size / num_layers / vocab_size of an HF causal LM (or ``FrozenTarget``)."""
+    """hidden_size / num_layers / vocab_size of an HF causal LM (or its wrappers)."""
+    if isinstance(target, TargetHeads):
+        return {"hidden_size": target.hidden_size, "num_layers": target.num_layers,
+                "vocab_size": target.vocab_size}
     model = target.model if isinstance(target, FrozenTarget) else target
     cfg = getattr(model, "config", None)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

@@ -65,6 +65,16 @@ def build_target(tcfg: DictConfig, layer_ids: list[int]):
     return FrozenTarget(model, layer_ids)
 
 
+def build_target_heads(tcfg: DictConfig, layer_ids: list[int]):
+    """The target's embed_tokens + lm_head only (training from cached features)."""
+    from dflash_lit.model.target import TargetHeads
+
+    dtype = parse_dtype(tcfg.get("dtype", "float32"), "target.dtype")
+    if tcfg.get("path"):
+        return TargetHeads.from_pretrained(tcfg.path, layer_ids, dtype=dtype)
+    return TargetHeads.from_model(_build_random(tcfg.build).to(dtype), layer_ids)
+
+
 def resolve_mask_token_id(tcfg: DictConfig, vocab_size: int) -> int:
     """Mask id from ``target.mask_token_id`` or the tokenizer's ``target.mask_token``."""
     if tcfg.get("mask_token_id") is not None:

@@ -37,6 +37,14 @@ def _seed_int(*parts: Any) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def _init_drafter(spec: DrafterSpec, seed: int) -> DFlashDrafter:
+    """A drafter initialised from (seed, name) alone: the same weights whatever ran before
+    (an online target build, a feature-cache build, other drafters)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_seed_int("init", seed, spec.name))
+        return DFlashDrafter(spec.model)
+
+
 class DFlashModule(L.LightningModule):
     """Trains one or more DFlash drafters against a frozen target."""
 
@@ -67,7 +75,7 @@ class DFlashModule(L.LightningModule):
             raise ValueError(f"drafters: duplicate names {names}")
         object.__setattr__(self, "_target", target)  # not a submodule: never saved or optimised
         self.specs = {s.name: s for s in specs}
-        self.drafters = nn.ModuleDict({s.name: DFlashDrafter(s.model) for s in specs})
+        self.drafters = nn.ModuleDict({s.name: _init_drafter(s, seed) for s in specs})
         for s in specs:
             self._check_drafter_vs_target(s)
         self.losses = {s.name: build_loss(**s.loss) for s in specs}

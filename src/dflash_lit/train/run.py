@@ -14,16 +14,20 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_lit.atomic import remove_stale_temporaries
 from dflash_lit.data.vocab import check_data_tokenizer
 from dflash_lit.errors import input_checks
+from dflash_lit.precision import head_dtype
 from dflash_lit.train.build import (
     build_callbacks,
     build_loggers,
     build_specs,
     build_target,
+    build_target_heads,
     capture_layer_ids,
     target_info,
 )
 from dflash_lit.train.checkpoint import check_checkpoint_matches
 from dflash_lit.train.checkpoint_io import AtomicCheckpointIO
+from dflash_lit.train.feature_cache import attach_feature_caches, check_features_config
+from dflash_lit.train.losses import build_loss
 from dflash_lit.train.module import DFlashModule
 from dflash_lit.train.resume import resolve_ckpt_path
 from dflash_lit.train.validate import check_config
@@ -77,7 +81,14 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
     check_data_tokenizer({"data.path": cfg.data.get("path"), "data.val_path": cfg.data.get("val_path")},
                          cfg.target.get("path"))
     total = total_training_steps(cfg, dm)
-    target = build_target(cfg.target, capture_layer_ids(specs))
+    capture = capture_layer_ids(specs)
+    if check_features_config(cfg.features) == "cache":
+        need_dist = any(build_loss(**s.loss).needs_target_distribution for s in specs)
+        attach_feature_caches(cfg, dm, capture, need_dist,
+                              lambda: build_target(cfg.target, capture))
+        target = build_target_heads(cfg.target, capture)  # decoder layers never loaded
+    else:
+        target = build_target(cfg.target, capture)
     module = DFlashModule(
         target=target,
         specs=specs,
@@ -93,6 +104,8 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
         log_tree_budgets=tuple(cfg.log_tree_budgets or ()),
         max_nonfinite_in_row=int(cfg.max_nonfinite_in_row),
         target_info=info,
+        head_dtype=head_dtype(str(cfg.trainer.get("precision", "32-true"))),
+        loss_chunk_rows=int(cfg.loss_chunk_rows),
     )
     return module, dm, total
 
