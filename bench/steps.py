@@ -56,7 +56,9 @@ def time_steps(overrides: Sequence[str], steps: int = 4, warmup: int = 1) -> dic
         opt.zero_grad(set_to_none=True)
         _sync()
         t["optimizer"] = time.perf_counter() - t0
-        tf = target_forward_flops(module.target.model, batch["attention_mask"], module.need_logits)
+        cached = "target_hidden" in batch  # features=cache: no target forward in the step
+        tf = 0.0 if cached else target_forward_flops(module.target.model, batch["attention_mask"],
+                                                     module.need_logits)
         if i >= warmup:
             rows.append({**t, "target_tokens": float(batch["attention_mask"].sum()),
                          "block_tokens": float(blocks), "drafter_flops": flops,
@@ -64,5 +66,5 @@ def time_steps(overrides: Sequence[str], steps: int = 4, warmup: int = 1) -> dic
     med = {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
     med["step_s"] = sum(med[p] for p in PHASES)
     med["drafter_params"] = float(sum(p.numel() for p in module.drafters.parameters()))
-    med["target_params"] = float(sum(p.numel() for p in module.target.model.parameters()))
+    med["target_params"] = float(sum(p.numel() for p in module.target.parameters()))
     return med
