@@ -86,7 +86,8 @@ def test_checkpoint_holds_drafters_and_optimizer_not_target(tmp_path, data):
     run_train(ov, tmp_path / "run")
     ck = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     keys = ck["state_dict"].keys()
-    assert all(k.startswith(("drafters.", "train_metrics.", "val_metrics.")) for k in keys)
+    assert all(k.startswith(("drafters.", "train_metrics.", "val_metrics.", "val_plateau."))
+               for k in keys)
     assert not any("embed_tokens" in k or "lm_head" in k or k.startswith("model.") for k in keys)
     opt = ck["optimizer_states"][0]
     names = [g["name"] for g in opt["param_groups"]]

@@ -134,6 +134,27 @@ def _verdict(vel: dict[str, Velocity], run: Run, d: str) -> str:
     return f"{word} (" + ", ".join(f"{k}: {t}" for k, t in trends.items()) + ")"
 
 
+def plateau_flags(run: Run) -> list[str]:
+    """Copy-the-anchor plateau at the last validation, and real chain τ below n-gram."""
+    from dflash_lit.train.plateau import plateau_message
+
+    flags = []
+    for d in run.drafters:
+        cs, cv = run.series(f"val/{d}/const_block_share")
+        _, av = run.series(f"val/{d}/anchor_sensitivity")
+        _, sv = run.series(f"val/{d}/slot_spread")
+        if len(cv) and len(av):
+            msg = plateau_message(d, float(cv[-1]), float(av[-1]),
+                                  float(sv[-1]) if len(sv) else None)
+            if msg:
+                flags.append(f"validation at step {int(cs[-1])}: {msg}")
+        ts, tv = run.series(f"val/{d}/tau_chain_vs_ngram")
+        if len(tv) and tv[-1] < 1.0:
+            flags.append(f"{d}: real chain τ is {tv[-1]:.2f}x the n-gram baseline at step "
+                         f"{int(ts[-1])}: the drafter does not yet beat no training")
+    return flags
+
+
 def analyze_run(run: Run, opts: Options | None = None) -> RunAnalysis:
     """Velocity, projections, loss distribution, grad norms, epoch and resume checks."""
     opts = opts or Options()
@@ -189,6 +210,7 @@ def analyze_run(run: Run, opts: Options | None = None) -> RunAnalysis:
         if g.clipped_share is not None and g.clipped_share > 0.5:
             out.flags.append(f"{d}: {g.clipped_share:.0%} of steps clipped (clip {g.clip}): "
                              "the clip norm binds most of the time")
+    out.flags += plateau_flags(run)
     if run.skipped:
         out.flags.append(f"{len(run.skipped)} malformed log line(s) skipped (see the report)")
     for d, dist in out.distribution.items():

@@ -115,6 +115,12 @@ class StatusLine(Callback):
         if len(pl_module.drafters) > 1:
             extra = " [" + " ".join(
                 f"{n}:{get(f'train/{n}/acc'):.3f}" for n in pl_module.drafters) + "]"
+        tau = get(f"val/{name}/tau_chain")
+        if tau == tau:  # logged by the real-τ callback
+            extra += f" tau={tau:.2f} ({get(f'val/{name}/tau_chain_vs_ngram'):.2f}x ngram)"
+        plateau = sorted(getattr(pl_module, "plateau_warnings", {}))
+        if plateau:
+            extra += f" PLATEAU:{','.join(plateau)}"
         return (
             f"[{_duration(elapsed)}] step={step} loss={get(f'train/{name}/loss'):.4f} "
             f"acc={get(f'train/{name}/acc'):.3f} streak={get(f'train/{name}/streak'):.2f} "

@@ -28,6 +28,7 @@ from dflash_lit.train.anchors import fixed_anchors, sample_anchors, step_generat
 from dflash_lit.train.linear_ce import fused_hard_ce
 from dflash_lit.train.losses import HardCELoss, build_loss, resolve_argmax_labels
 from dflash_lit.train.metrics import DrafterMetrics, accuracy, streak
+from dflash_lit.train.plateau import PlateauDiagnostics, plateau_message
 from dflash_lit.train.schedules import lr_factor, max_anchors_at, noise_sigma
 from dflash_lit.train.spec import DrafterSpec
 
@@ -111,6 +112,8 @@ class DFlashModule(L.LightningModule):
         self.val_metrics = nn.ModuleDict(
             {n: DrafterMetrics(bs[n], tree_budgets=log_tree_budgets) for n in names}
         )
+        self.val_plateau = nn.ModuleDict({n: PlateauDiagnostics() for n in names})
+        self.plateau_warnings: dict[str, str] = {}  # drafter -> last validation's warning
         # Non-finite bookkeeping is saved in checkpoints (on_save_checkpoint).
         self.nonfinite_total = 0
         self.tokens_seen = 0  # real target tokens trained on (the x-axis for run comparisons)
@@ -318,13 +321,48 @@ class DFlashModule(L.LightningModule):
             logits, layout, lo = self._forward_drafter(name, batch, out, self.global_step, False,
                                                        need_logits=trees)
             self.val_metrics[name].update(logits, layout.labels, lo)
+            pred = logits if logits.dim() == 3 else logits.argmax(-1)
+            self._update_plateau(name, out, layout, pred)
+
+    @torch.no_grad()
+    def _update_plateau(self, name: str, out: TargetOutput, layout, pred: Tensor,
+                        spread_blocks: int = 32) -> None:
+        """Plateau diagnostics: the same blocks with the mask token in slot 0, and the slots'
+        log-probabilities of the first ``spread_blocks`` valid blocks."""
+        import dataclasses
+
+        spec, drafter = self.specs[name], self.drafters[name]
+        th = self._drafter_context(name, out.hidden)
+        masked = dataclasses.replace(layout, block_ids=layout.block_ids.clone())
+        masked.block_ids[:, :, 0] = spec.model.mask_token_id
+        w = self._target.lm_head.weight
+        h_m = draft_hidden(drafter, self._target.embed_tokens, th, masked,
+                           backend=self.attention, compile_mask=self.compile_mask)
+        pred_m = torch.cat([(c.to(w.dtype) @ w.T).argmax(-1) for c in
+                            h_m.flatten(0, 2).split(self.loss_chunk_rows)]).view(pred.shape)
+        h = draft_hidden(drafter, self._target.embed_tokens, th, layout,
+                         backend=self.attention, compile_mask=self.compile_mask)
+        vb = layout.valid & (layout.labels[..., 1:] != -100).all(-1)  # full blocks only
+        sel = h[vb][:spread_blocks, 1:]  # [M, Bs-1, d]
+        lp = torch.log_softmax((sel.to(w.dtype) @ w.T).float(), dim=-1)
+        self.val_plateau[name].update(pred, pred_m, layout.labels, lp)
 
     def on_validation_epoch_end(self) -> None:
         for name, m in self.val_metrics.items():
             vals = m.compute()  # collective under DDP: every rank calls it
+            diag = self.val_plateau[name].compute()
+            vals.update(diag)
             self.log_dict({f"val/{name}/{k}": float(v) for k, v in vals.items()
                            if not _isnan(v)}, on_step=False, on_epoch=True, sync_dist=False)
             m.reset()
+            self.val_plateau[name].reset()
+            msg = plateau_message(name, float(diag["const_block_share"]),
+                                  float(diag["anchor_sensitivity"]), float(diag["slot_spread"]))
+            if msg:
+                self.plateau_warnings[name] = msg
+                rank_zero_print(f"step {self.global_step}: {msg}")
+            else:
+                self.plateau_warnings.pop(name, None)
 
     def configure_optimizers(self):
         groups = [
