@@ -152,3 +152,21 @@ def test_labels_ignore_prompt_padding_and_end():
     assert lay.labels.tolist() == [[[IGNORE, 12, 13, IGNORE], [IGNORE, 15, IGNORE, IGNORE]]]
     assert lay.block_pos.tolist() == [[[1, 2, 3, 4], [4, 5, 6, 7]]]
     assert lay.position_ids().tolist() == [[0, 1, 2, 3, 4, 5, 1, 2, 3, 4, 4, 5, 6, 7]]
+
+
+def test_auto_attention_picks_blockwise_only_for_many_blocks_per_context():
+    """attention=auto on CPU: dense below 3 block tokens per context token, blockwise above."""
+    from types import SimpleNamespace
+
+    from dflash_lit.train.module import DFlashModule
+
+    def layout(s: int, n: int):
+        ids = torch.randint(4, 50, (1, s))
+        anchors = torch.arange(1, n + 1)[None]
+        return build_layout(ids, torch.ones_like(ids), anchors, torch.ones_like(anchors).bool(),
+                            8, 1)
+
+    fake = SimpleNamespace(attention="auto")
+    assert DFlashModule._backend(fake, layout(64, 16)) == "dense"  # 128 block tokens: 2x
+    assert DFlashModule._backend(fake, layout(64, 24)) == "blockwise"  # 192: 3x
+    assert DFlashModule._backend(SimpleNamespace(attention="dense"), layout(64, 24)) == "dense"

@@ -97,7 +97,7 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
         min_lr_ratio=float(cfg.optim.min_lr_ratio),
         betas=tuple(cfg.optim.betas),
         eps=float(cfg.optim.eps),
-        attention=_auto(cfg.attention, "flex", "dense"),
+        attention=str(cfg.attention),  # auto: chosen per batch shape by the module
         compile_mask=bool(_auto(cfg.compile_mask, True, False)),
         seed=int(cfg.seed),
         val_max_anchors=int(cfg.val_max_anchors),
