@@ -102,7 +102,35 @@ def _first_tensor(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-class FrozenTarget(nn.Module):
+class _FrozenHeads(nn.Module):
+    """What every frozen target exposes to the drafter: ``embed_tokens`` and ``lm_head``
+    (set as ``_embed_tokens`` / ``_lm_head`` by the subclass), their device and dtype, and
+    an eval mode that stays on whatever Lightning asks."""
+
+    def train(self, mode: bool = True):
+        """Always stay in eval mode (dropout off)."""
+        return super().train(False)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        """The target's input embedding (frozen; shared with the drafter, not its parameter)."""
+        return self._embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The raw output projection hidden -> logits (no final norm: the drafter applies its own)."""
+        return self._lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+
+class FrozenTarget(_FrozenHeads):
     """A frozen HF causal LM that returns the hidden states of ``layer_ids`` (and logits).
 
     Parameters never require grad, the model stays in eval mode (``train()`` is a no-op) and
@@ -179,29 +207,6 @@ class FrozenTarget(nn.Module):
                 f"(valid 0..{n - 1}; id i = output of decoder layer i = HF hidden_states[i+1])"
             )
         return ids
-
-    # ------------------------------------------------------------------ frozen behaviour
-    def train(self, mode: bool = True) -> FrozenTarget:
-        """Always stay in eval mode (dropout off), whatever Lightning asks."""
-        return super().train(False)
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        """The target's input embedding (frozen; shared with the drafter, not its parameter)."""
-        return self._embed_tokens
-
-    @property
-    def lm_head(self) -> nn.Module:
-        """The raw output projection hidden -> logits (no final norm: the drafter applies its own)."""
-        return self._lm_head
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -284,7 +289,7 @@ class FrozenTarget(nn.Module):
         )
 
 
-class TargetHeads(nn.Module):
+class TargetHeads(_FrozenHeads):
     """The two pieces of a target a drafter needs when its features are cached: the frozen
     ``embed_tokens`` and ``lm_head``. The decoder layers are never loaded (``forward`` raises).
 
@@ -350,25 +355,6 @@ class TargetHeads(nn.Module):
         if bad:
             raise ValueError(f"layer_ids {bad} out of range for a target with {layers} layers")
         return cls(emb, head, layers, layer_ids)
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self._embed_tokens
-
-    @property
-    def lm_head(self) -> nn.Module:
-        return self._lm_head
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    def train(self, mode: bool = True) -> TargetHeads:
-        return super().train(False)
 
     def forward(self, *args: Any, **kwargs: Any) -> TargetOutput:
         raise RuntimeError("this target was loaded without its decoder layers (features=cache): "
