@@ -295,3 +295,26 @@ def test_nonfinite_stretch_stops_with_a_checkpoint_of_the_last_good_state(tmp_pa
                     weights_only=False)
     assert ck["global_step"] == 16 and ck["dflash"]["nonfinite_total"] == 5
     assert ck["dflash"]["nonfinite_in_row"] == 0
+
+
+def test_train_window_metrics_after_a_resume_equal_the_straight_run(tmp_path, data):
+    """A checkpoint taken at a log-interval boundary (every 3 steps, logged every 3) must not
+    carry the window it just logged: after a resume every train_window value and the final
+    metric states equal the uninterrupted run's."""
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + [
+        "experiment=v5_hardce", "trainer.max_steps=9", "trainer.log_every_n_steps=3",
+        "callbacks.model_checkpoint.every_n_train_steps=3"]
+    run_train(ov, tmp_path / "straight")
+    mid = tmp_path / "straight" / "checkpoints" / "step0000003.ckpt"
+    run_train(ov + [f"ckpt_path={mid}"], tmp_path / "resumed")
+    keys = [k for k in _metrics(tmp_path / "straight")[0] if k.startswith("train_window/main/")]
+    win = {n: {(r["step"], k): r[k] for r in _metrics(tmp_path / n) for k in keys if r.get(k)}
+           for n in ("straight", "resumed")}
+    resumed = {sk: v for sk, v in win["resumed"].items() if int(sk[0]) > 3}
+    assert resumed and all(win["straight"][sk] == v for sk, v in resumed.items())
+    sa = torch.load(tmp_path / "straight" / "checkpoints" / "last.ckpt", weights_only=False)
+    sb = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)
+    for k, v in sa["state_dict"].items():
+        if k.startswith("train_metrics."):
+            assert torch.equal(v, sb["state_dict"][k]), k

@@ -420,6 +420,15 @@ class DFlashModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["dflash"] = self.checkpoint_meta()
+        # Checkpoint callbacks run before this module's on_train_batch_end, which logs and
+        # resets the train window at log-interval boundaries: a checkpoint taken there would
+        # carry the window just logged, and a resume would count it twice. Save the state
+        # the boundary leaves behind (empty) instead.
+        interval = max(int(self.trainer.log_every_n_steps), 1) if self._trainer else 1
+        if self.global_step % interval == 0:
+            sd = checkpoint.get("state_dict", {})
+            for k in [k for k in sd if k.startswith("train_metrics.")]:
+                sd[k] = torch.zeros_like(sd[k])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         from dflash_lit.train.checkpoint import check_checkpoint_matches
