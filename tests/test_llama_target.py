@@ -4,7 +4,6 @@ export + evaluate of the trained drafter round-trip. (Layer capture: tests/test_
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -72,12 +71,6 @@ def test_lossless_on_llama(target, drafter, method):
             assert not r.recomputed
 
 
-def _evaluate_module():
-    spec = importlib.util.spec_from_file_location("dflash_evaluate", REPO / "evaluate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def test_train_two_steps_then_export_and_evaluate(tmp_path):
     """target=random_llama: 2 training steps; the drafter changes, the tied target does not
@@ -114,13 +107,13 @@ def test_train_two_steps_then_export_and_evaluate(tmp_path):
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "def add(a, b):\n"}) + "\n")
-    ev = _evaluate_module()
+    from dflash_lit.eval.cli import evaluate
     with initialize_config_dir(config_dir=str(REPO / "conf" / "tools"), version_base="1.3"):
         ecfg = compose("evaluate", overrides=[
             f"ckpt={ckpt}", f"target={target_dir}", "prompts=jsonl", f"prompts_path={prompts}",
             "max_new_tokens=12", "budgets=[4]", "progress=false", "warmup=false", "plot=false",
             "dtype=float32", "device=cpu", f"out={tmp_path / 'eval'}"])
-    assert ev.run(ecfg, tmp_path / "eval") == 0
+    assert evaluate(ecfg, tmp_path / "eval") == 0
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["lossless"] and report["target"]["num_layers"] == 8
 

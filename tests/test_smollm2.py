@@ -9,7 +9,6 @@ would: the first run builds it (~20-60 s on 2 cores), later runs find it built (
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -64,11 +63,10 @@ def test_missing_target_dir_is_one_line_with_the_build_command(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="build it: " + cmd):
         _load_tokenizer(str(tmp_path / "smollm2"))
-    spec = importlib.util.spec_from_file_location("dflash_evaluate", REPO / "evaluate.py")
-    ev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ev)
+    from dflash_lit.eval.cli import resolve_target_path
+
     with pytest.raises(FileNotFoundError, match="build it: " + cmd):
-        ev.resolve_target_path(OmegaConf.create({"target": str(tmp_path / "smollm2")}), {})
+        resolve_target_path(OmegaConf.create({"target": str(tmp_path / "smollm2")}), {})
 
 
 @needs_wheel
@@ -115,16 +113,15 @@ def test_regenerate_train_evaluate(target_dir, tmp_path):
     assert meta["dflash"]["target"]["architectures"] == ["LlamaForCausalLM"]
 
     # 3. evaluate: 1 prompt, chain + tree, every output equal to the target's greedy decode
-    spec = importlib.util.spec_from_file_location("dflash_evaluate", REPO / "evaluate.py")
-    ev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ev)
+    from dflash_lit.eval.cli import evaluate
+
     with initialize_config_dir(config_dir=str(REPO / "conf" / "tools"), version_base="1.3"):
         ecfg = compose("evaluate", overrides=[
             f"ckpt={ckpt}", "prompts=jsonl", f"prompts_path={prompts}", "limit=1",
             "max_new_tokens=16", "budgets=[4]", "methods=[chain,tree]", "progress=false",
             "warmup=false", "plot=false", "dtype=float32", "device=cpu",
             f"out={tmp_path / 'eval'}"])
-    assert ev.run(ecfg, tmp_path / "eval") == 0
+    assert evaluate(ecfg, tmp_path / "eval") == 0
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["lossless"]
     assert report["target"]["num_layers"] == 30 and report["target"]["vocab_size"] == 49152
