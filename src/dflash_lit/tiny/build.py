@@ -138,7 +138,9 @@ def build(out: Path, preset: TinyPreset, seed: int = 0, work: Path | None = None
     dtype = getattr(torch, p.save_dtype)
     base_info = {
         "preset": p.to_dict(), "seed": seed, "n_params": n_params,
-        "corpus": {"stdlib": str(stdlib_root()), "python": platform.python_version(),
+        # the stdlib relative to the interpreter's prefix: no machine path in shipped files
+        "corpus": {"stdlib": os.path.relpath(stdlib_root(), sys.base_prefix),
+                   "python": platform.python_version(),
                    "train_files": len(train_files), "heldout_files": len(held_files),
                    "train_tokens": int(packed["train"].numel()),
                    "heldout_tokens": int(packed["heldout"].numel()),
