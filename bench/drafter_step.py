@@ -32,10 +32,10 @@ from common import fmt_table, median_time, peaks, write_result
 
 from dflash_lit import DFlashConfig, DFlashDrafter
 from dflash_lit.model.block_forward import draft_hidden
-from dflash_lit.model.layout import build_layout, gather_target_logits
+from dflash_lit.model.layout import build_layout, gather_target_argmax, gather_target_logits
 from dflash_lit.train.anchors import sample_anchors, step_generator
 from dflash_lit.train.linear_ce import fused_hard_ce
-from dflash_lit.train.losses import hard_ce_loss, target_argmax_labels
+from dflash_lit.train.losses import hard_ce_loss, resolve_argmax_labels, target_argmax_labels
 
 V, D, B, S, BS, K = 4096, 256, 4, 512, 16, 4
 VARIANTS = {
@@ -81,10 +81,7 @@ def make_step(variant: dict, drafter, embed, lm_head, th, target_logits, layout)
         with ctx:
             h = draft_hidden(drafter, embed, th, layout, backend=variant["attn"])
         if variant["fused"]:
-            pos = layout.target_positions().flatten(1)
-            tgt = torch.gather(argmax, 1, pos).view_as(layout.labels)
-            labels = torch.where(layout.labels >= 0, tgt, layout.labels)
-            labels[..., 0] = -100
+            labels = resolve_argmax_labels(gather_target_argmax(argmax, layout), layout.labels)
             out, _ = fused_hard_ce(h.float(), lm_head.weight, labels, 7.0,
                                    compute_dtype=variant["head"])
         else:

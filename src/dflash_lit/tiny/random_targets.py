@@ -44,7 +44,12 @@ def _check_vocab(vocab_size: int) -> None:
         )
 
 
-def _build(cls: type[PreTrainedModel], config: Any, seed: int) -> PreTrainedModel:
+def _build(cls: type[PreTrainedModel], config_cls: type, seed: int, vocab_size: int,
+           num_layers: int, **fields: Any) -> PreTrainedModel:
+    """``cls(config_cls(...))`` with the reserved special ids, weights from ``seed``."""
+    _check_vocab(vocab_size)
+    config = config_cls(vocab_size=vocab_size, num_hidden_layers=num_layers, pad_token_id=PAD_ID,
+                        bos_token_id=BOS_ID, eos_token_id=EOS_ID, **fields)
     # fork_rng: building a tiny target must not shift the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -65,23 +70,17 @@ def tiny_qwen3(
     **config_overrides: Any,
 ) -> Qwen3ForCausalLM:
     """A random ``Qwen3ForCausalLM`` (eval mode, float32, untied lm_head), same weights per seed."""
-    _check_vocab(vocab_size)
-    config = Qwen3Config(
-        vocab_size=vocab_size,
+    return _build(
+        Qwen3ForCausalLM, Qwen3Config, seed, vocab_size, num_layers,
         hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         head_dim=head_dim,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
         **config_overrides,
     )
-    return _build(Qwen3ForCausalLM, config, seed)
 
 
 def tiny_llama(
@@ -102,11 +101,9 @@ def tiny_llama(
 
     Defaults follow SmolLM2's layout: tied embeddings, RoPE base 1e5, no q/k norm, no biases.
     """
-    _check_vocab(vocab_size)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
+    return _build(
+        LlamaForCausalLM, LlamaConfig, seed, vocab_size, num_layers,
         hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         head_dim=head_dim,
@@ -114,12 +111,8 @@ def tiny_llama(
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
         **config_overrides,
     )
-    return _build(LlamaForCausalLM, config, seed)
 
 
 def tiny_hybrid(
@@ -145,17 +138,15 @@ def tiny_hybrid(
     With the defaults, layers 3 and 7 are full attention, the other six Gated DeltaNet. Pass
     ``layer_types=[...]`` in ``config_overrides`` for an explicit pattern.
     """
-    _check_vocab(vocab_size)
     if "layer_types" not in config_overrides:
         # Same rule as Qwen3_5TextConfig: every interval-th layer (1-based) is full attention.
         config_overrides["layer_types"] = [
             "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
             for i in range(num_layers)
         ]
-    config = Qwen3_5TextConfig(
-        vocab_size=vocab_size,
+    return _build(
+        Qwen3_5ForCausalLM, Qwen3_5TextConfig, seed, vocab_size, num_layers,
         hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         head_dim=head_dim,
@@ -167,12 +158,8 @@ def tiny_hybrid(
         linear_conv_kernel_dim=linear_conv_kernel_dim,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
         **config_overrides,
     )
-    return _build(Qwen3_5ForCausalLM, config, seed)
 
 
 def tiny_char_tokenizer(vocab_size: int):

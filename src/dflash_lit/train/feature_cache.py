@@ -74,12 +74,12 @@ def target_fingerprint(tcfg: DictConfig) -> dict[str, Any]:
 
 
 def split_fingerprint(cfg: DictConfig, data_path: str, capture_ids: list[int],
-                      topk: int) -> dict[str, Any]:
-    """The full fingerprint of one split's cache."""
+                      topk: int, target_fp: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The full fingerprint of one split's cache (``target_fp``: the target's, if known)."""
     files = find_shards(data_path)
     return {
         "format": FORMAT_VERSION,
-        "target": target_fingerprint(cfg.target),
+        "target": target_fp if target_fp is not None else target_fingerprint(cfg.target),
         "layer_ids": list(capture_ids),
         "data": {f.name: _file_digest(f) for f in files},
         "max_length": int(cfg.data.max_length),
@@ -129,12 +129,13 @@ def check_features_config(fcfg: DictConfig) -> str:
 
 
 def ensure_cache(cfg: DictConfig, dataset, data_path: str, what: str, capture_ids: list[int],
-                 topk: int, load_target) -> FeatureStore:
+                 topk: int, load_target, target_fp: dict[str, Any] | None = None
+                 ) -> FeatureStore:
     """The finished cache of ``dataset`` (built now when missing); refuses a stale one.
 
     ``load_target`` is called (once) only when a build is needed.
     """
-    fp = split_fingerprint(cfg, data_path, capture_ids, topk)
+    fp = split_fingerprint(cfg, data_path, capture_ids, topk, target_fp)
     fcfg = cfg.features
     split = "val" if what == "data.val_path" else "train"
     out = Path(fcfg.path) / split if fcfg.get("path") else Path(fcfg.dir) / _hash(fp)
@@ -221,12 +222,14 @@ def attach_feature_caches(cfg: DictConfig, dm, capture_ids: list[int],
     # a validation split of data.path shares its cache: build it over both parts' rows
     rows = dm.train_dataset if separate_val or not has_val else \
         _union(dm.train_dataset, dm.val_dataset)
-    stores["train"] = ensure_cache(cfg, rows, cfg.data.path, "data.path", capture_ids, topk, once)
+    target_fp = target_fingerprint(cfg.target)  # hashes the weights: once for both splits
+    stores["train"] = ensure_cache(cfg, rows, cfg.data.path, "data.path", capture_ids, topk,
+                                   once, target_fp)
     dm.train_dataset.features = stores["train"]
     if has_val:
         dm.val_dataset.features = stores["val"] = ensure_cache(
-            cfg, dm.val_dataset, cfg.data.val_path, "data.val_path", capture_ids, topk, once
-        ) if separate_val else stores["train"]
+            cfg, dm.val_dataset, cfg.data.val_path, "data.val_path", capture_ids, topk, once,
+            target_fp) if separate_val else stores["train"]
     if target_holder:
         del target_holder[0]  # free the decoder layers: training reads only the caches
     return stores

@@ -141,8 +141,7 @@ def target_argmax_labels(target_logits: Tensor, labels: Tensor) -> Tensor:
             f"target_argmax_labels: target_logits {tuple(target_logits.shape)} must be "
             f"[B, N, Bs, V] with [B, N, Bs] = labels shape {tuple(labels.shape)}"
         )
-    valid = valid_mask(labels)
-    return torch.where(valid, target_logits.argmax(-1), torch.full_like(labels, IGNORE))
+    return resolve_argmax_labels(target_logits.argmax(-1), labels)
 
 
 def resolve_argmax_labels(argmax_per_slot: Tensor, labels: Tensor) -> Tensor:

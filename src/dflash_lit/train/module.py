@@ -178,8 +178,13 @@ class DFlashModule(L.LightningModule):
         """(logits [B, N, Bs, V] or argmax predictions [B, N, Bs], layout with resolved labels,
         LossOutput). The fused hard-CE path never forms the logits; ``need_logits`` forces
         them (offline tree metrics at validation)."""
+        layout, _, hidden = self._draft(name, batch, out, step, train)
+        return self._head_loss(name, layout, hidden, out, need_logits)
+
+    def _draft(self, name, batch, out, step, train: bool):
+        """(layout with resolved labels, drafter context features, final-normed drafter
+        hidden states [B, N, Bs, d]) for one drafter on one batch."""
         spec = self.specs[name]
-        drafter = self.drafters[name]
         ids, lm, am = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
         th = self._drafter_context(name, out.hidden)
         if train:
@@ -190,12 +195,18 @@ class DFlashModule(L.LightningModule):
             anchors, valid = fixed_anchors(lm * am, self.val_max_anchors, seed=self.seed)
         layout = build_layout(ids, lm, anchors, valid, spec.model.block_size,
                               spec.model.mask_token_id, am)
-        hidden = draft_hidden(drafter, self._target.embed_tokens, th, layout,
-                              backend=self._backend(layout), compile_mask=self.compile_mask)
-        loss = self.losses[name]
-        if loss.label_source == "target_argmax":
+        if self.losses[name].label_source == "target_argmax":
             layout.labels = resolve_argmax_labels(gather_target_argmax(out.argmax, layout),
                                                   layout.labels)
+        return layout, th, self._drafter_hidden(name, th, layout)
+
+    def _drafter_hidden(self, name: str, th: Tensor, layout) -> Tensor:
+        return draft_hidden(self.drafters[name], self._target.embed_tokens, th, layout,
+                            backend=self._backend(layout), compile_mask=self.compile_mask)
+
+    def _head_loss(self, name, layout, hidden, out, need_logits: bool):
+        """(logits or argmax ids, LossOutput) of the drafter's hidden states."""
+        loss = self.losses[name]
         if isinstance(loss, HardCELoss) and not need_logits:
             weight = self._target.lm_head.weight
             loss_out, pred = fused_hard_ce(hidden.to(weight.dtype), weight, layout.labels,
@@ -332,32 +343,27 @@ class DFlashModule(L.LightningModule):
         out = self._target_forward(batch)
         for name in self.drafters:
             trees = bool(self.val_metrics[name].tree_budgets)
-            logits, layout, lo = self._forward_drafter(name, batch, out, self.global_step, False,
-                                                       need_logits=trees)
+            layout, th, hidden = self._draft(name, batch, out, self.global_step, False)
+            logits, _, lo = self._head_loss(name, layout, hidden, out, need_logits=trees)
             self.val_metrics[name].update(logits, layout.labels, lo)
             pred = logits if logits.dim() == 3 else logits.argmax(-1)
-            self._update_plateau(name, out, layout, pred)
+            self._update_plateau(name, th, layout, hidden, pred)
 
     @torch.no_grad()
-    def _update_plateau(self, name: str, out: TargetOutput, layout, pred: Tensor,
+    def _update_plateau(self, name: str, th: Tensor, layout, hidden: Tensor, pred: Tensor,
                         spread_blocks: int = 32) -> None:
-        """Plateau diagnostics: the same blocks with the mask token in slot 0, and the slots'
-        log-probabilities of the first ``spread_blocks`` valid blocks."""
+        """Plateau diagnostics: the same blocks drafted with the mask token in slot 0, and
+        the slots' log-probabilities of the first ``spread_blocks`` full valid blocks."""
         import dataclasses
 
-        spec, drafter = self.specs[name], self.drafters[name]
-        th = self._drafter_context(name, out.hidden)
         masked = dataclasses.replace(layout, block_ids=layout.block_ids.clone())
-        masked.block_ids[:, :, 0] = spec.model.mask_token_id
+        masked.block_ids[:, :, 0] = self.specs[name].model.mask_token_id
         w = self._target.lm_head.weight
-        h_m = draft_hidden(drafter, self._target.embed_tokens, th, masked,
-                           backend=self._backend(layout), compile_mask=self.compile_mask)
+        h_m = self._drafter_hidden(name, th, masked)
         pred_m = torch.cat([(c.to(w.dtype) @ w.T).argmax(-1) for c in
                             h_m.flatten(0, 2).split(self.loss_chunk_rows)]).view(pred.shape)
-        h = draft_hidden(drafter, self._target.embed_tokens, th, layout,
-                         backend=self._backend(layout), compile_mask=self.compile_mask)
         vb = layout.valid & (layout.labels[..., 1:] != -100).all(-1)  # full blocks only
-        sel = h[vb][:spread_blocks, 1:]  # [M, Bs-1, d]
+        sel = hidden.detach()[vb][:spread_blocks, 1:]  # [M, Bs-1, d]
         lp = torch.log_softmax((sel.to(w.dtype) @ w.T).float(), dim=-1)
         self.val_plateau[name].update(pred, pred_m, layout.labels, lp)
 
