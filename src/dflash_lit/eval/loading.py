@@ -1,10 +1,7 @@
 """Load a drafter for evaluation / export (whether it fits a target: ``dflash_lit.compat``).
 
 Two sources:
-- a Lightning training checkpoint (``.ckpt``): ``state_dict`` keys
-  ``drafters.<name>.<z-lab tensor name>`` and ``ckpt["dflash"]`` =
-  ``{"version": 1, "drafters": {name: {"config": DFlashConfig.to_dict()}},
-  "target": {"path", "layer_ids", "hidden_size", "num_layers", "vocab_size"}}``;
+- a training checkpoint (``.ckpt``; its contract is ``dflash_lit/checkpoint.py``);
 - a z-lab directory (``config.json`` + ``model.safetensors``: our export or a published one).
 """
 
@@ -16,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dflash_lit.checkpoint_format import SUPPORTED_CKPT_VERSIONS
+from dflash_lit.checkpoint import drafter_state, read
 from dflash_lit.errors import UserError
 from dflash_lit.model.config import DFlashConfig
 from dflash_lit.model.drafter import CONFIG_NAME, DFlashDrafter
@@ -41,43 +38,6 @@ class DrafterInfo:
         }
 
 
-def _torch_load(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # Lightning checkpoints may pickle config objects (e.g. OmegaConf)
-        pass
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # not a torch file at all, or cut off mid-write
-        raise UserError(
-            f"ckpt={path}: not a readable checkpoint ({type(e).__name__}: {e}); pass a training "
-            ".ckpt file or a z-lab drafter directory"
-        ) from None
-
-
-def read_checkpoint_meta(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(checkpoint dict, its ``dflash`` entry); clear errors for files that are not ours."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{p}: checkpoint not found (ckpt= must be a .ckpt file or a z-lab dir)")
-    ckpt = _torch_load(p)
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise UserError(f"{p}: not a Lightning checkpoint (no 'state_dict' entry)")
-    meta = ckpt.get("dflash")
-    if not isinstance(meta, dict) or "drafters" not in meta:
-        raise UserError(
-            f"{p}: no 'dflash' metadata in the checkpoint; it was not written by dflash-lit's "
-            "training module (for a published drafter pass its z-lab directory instead)"
-        )
-    version = meta.get("version")
-    if version not in SUPPORTED_CKPT_VERSIONS:
-        raise UserError(
-            f"{p}: dflash checkpoint version {version!r} is not supported "
-            f"(this code reads versions {list(SUPPORTED_CKPT_VERSIONS)})"
-        )
-    return ckpt, meta
-
-
 def _pick_name(meta: dict[str, Any], name: str | None, where: str) -> tuple[str, list[str]]:
     names = sorted(meta["drafters"])
     if not names:
@@ -91,16 +51,6 @@ def _pick_name(meta: dict[str, Any], name: str | None, where: str) -> tuple[str,
     if name not in meta["drafters"]:
         raise UserError(f"{where}: no drafter named {name!r}; available: {names}")
     return name, names
-
-
-def _drafter_state(state_dict: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
-    prefix = f"drafters.{name}."
-    out = {}
-    for k, v in state_dict.items():
-        if k.startswith(prefix):
-            # torch.compile wraps modules as ``_orig_mod``; the weights are the same.
-            out[k[len(prefix):].replace("_orig_mod.", "")] = v
-    return out
 
 
 def load_drafter(
@@ -123,14 +73,14 @@ def load_drafter(
             )
         drafter = DFlashDrafter.from_pretrained(p, dtype=dtype, device=device)
         return drafter.eval(), DrafterInfo(source="zlab", path=str(p))
-    ckpt, meta = read_checkpoint_meta(p)
+    ckpt, meta = read(p)
     chosen, names = _pick_name(meta, name, str(p))
     entry = meta["drafters"][chosen]
     try:
         cfg = DFlashConfig(**entry["config"])
     except (KeyError, TypeError) as e:
         raise UserError(f"{p}: drafter {chosen!r} has no usable config ({e})") from None
-    state = _drafter_state(ckpt["state_dict"], chosen)
+    state = drafter_state(ckpt["state_dict"], chosen)
     if not state:
         raise UserError(
             f"{p}: no state_dict tensors under 'drafters.{chosen}.'; the metadata and the weights "

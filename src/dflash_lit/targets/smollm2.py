@@ -362,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--limit", type=int, default=None, help="train prompts (default: all)")
+    d.add_argument("--val-limit", type=int, default=None, help="val prompts (default: all)")
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32")
     args = ap.parse_args(argv)
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "data":
         art = Path(repo_root()) / "artifacts" / NAME
         target = args.target or default_dir()
-        for split, name, limit in (("train", "train", args.limit), ("eval", "val", None)):
+        for split, name, limit in (("train", "train", args.limit), ("eval", "val", args.val_limit)):
             s = regenerate_split(target, art / "prompts" / f"{split}.jsonl", art / "data" / name,
                                  args.max_new_tokens, args.batch_size, limit, args.dtype,
                                  args.device)

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from dflash_lit.checkpoint_format import CKPT_VERSION
+from dflash_lit import checkpoint as ckpt_contract
 from dflash_lit.compat import check_compatible
 from dflash_lit.model.block_forward import draft_hidden
 from dflash_lit.model.drafter import DFlashDrafter
@@ -315,7 +315,7 @@ class DFlashModule(L.LightningModule):
         the last good state; its data position is past the bad batches (a resume does not
         replay them) and every earlier periodic checkpoint is kept.
         """
-        from dflash_lit.train.preemption import checkpoint_dir
+        from dflash_lit.train.checkpointing import checkpoint_dir
 
         path = checkpoint_dir(self.trainer) / "last.ckpt"
         self.trainer.save_checkpoint(str(path))
@@ -414,15 +414,12 @@ class DFlashModule(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {
-            "version": CKPT_VERSION,
-            "drafters": {n: {"config": s.model.to_dict(), "loss": dict(s.loss)}
-                         for n, s in self.specs.items()},
-            "target": dict(self.target_info),
-            "nonfinite_total": self.nonfinite_total,
-            "tokens_seen": self.tokens_seen,
-            "nonfinite_in_row": self.nonfinite_in_row,
-        }
+        """This run's ``checkpoint["dflash"]`` entry (``dflash_lit/checkpoint.py``)."""
+        return ckpt_contract.make_meta(
+            {n: (s.model.to_dict(), s.loss) for n, s in self.specs.items()}, self.target_info,
+            nonfinite_total=self.nonfinite_total, tokens_seen=self.tokens_seen,
+            nonfinite_in_row=self.nonfinite_in_row,
+        )
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["dflash"] = self.checkpoint_meta()
@@ -437,9 +434,7 @@ class DFlashModule(L.LightningModule):
                 sd[k] = torch.zeros_like(sd[k])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from dflash_lit.train.checkpoint import check_checkpoint_matches
-
-        check_checkpoint_matches(checkpoint, self.checkpoint_meta(), source="checkpoint")
+        ckpt_contract.check_matches(checkpoint, self.checkpoint_meta(), source="checkpoint")
         meta = checkpoint["dflash"]
         self.nonfinite_total = int(meta.get("nonfinite_total", 0))
         self.tokens_seen = int(meta.get("tokens_seen", 0))

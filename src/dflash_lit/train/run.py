@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lit.atomic import remove_stale_temporaries
+from dflash_lit.checkpoint import check_matches
 from dflash_lit.data.vocab import check_data_tokenizer
 from dflash_lit.errors import input_checks
 from dflash_lit.precision import head_dtype
@@ -24,8 +25,7 @@ from dflash_lit.train.build import (
     capture_layer_ids,
     target_info,
 )
-from dflash_lit.train.checkpoint import check_checkpoint_matches
-from dflash_lit.train.checkpoint_io import AtomicCheckpointIO
+from dflash_lit.train.checkpointing import AtomicCheckpointIO
 from dflash_lit.train.feature_cache import attach_feature_caches, check_features_config
 from dflash_lit.train.losses import build_loss
 from dflash_lit.train.module import DFlashModule
@@ -132,7 +132,7 @@ def train(cfg: DictConfig) -> float | None:
         saved = {"dflash": AtomicCheckpointIO().load_checkpoint(ckpt).get("dflash")} if ckpt else None
         module, dm, total = build_run(cfg)
         if saved is not None:  # fail before training on a checkpoint from another setup
-            check_checkpoint_matches(saved, module.checkpoint_meta(), str(ckpt))
+            check_matches(saved, module.checkpoint_meta(), str(ckpt))
             print(f"resuming from {ckpt}", flush=True)
 
     # 2. Trainer, loggers, callbacks; the resolved config is saved next to the run.

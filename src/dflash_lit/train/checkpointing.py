@@ -1,12 +1,20 @@
-"""``last.ckpt`` is always where the run stopped: on SIGTERM/SIGUSR1 and at the end of training.
+"""When and how checkpoints are written: atomically, at cadences, at the final step, on preemption.
 
-Graceful preemption: SIGTERM / SIGUSR1 -> checkpoint at the next step boundary, clean exit.
+- **Atomic writes** (:class:`AtomicCheckpointIO`). Lightning's default IO streams the pickle
+  straight into the final path, so a SIGKILL during a save leaves a truncated ``last.ckpt``.
+  Here every checkpoint goes to a temporary name in the same directory, is flushed and
+  fsync'ed, then ``os.replace``d over the target (atomic on POSIX); loads fail with one line
+  naming the file. Temporaries of dead writers are removed at start (``atomic.py``).
+- **``last.ckpt`` is always where the run stopped.** Lightning's ModelCheckpoint saves on its
+  cadence; :class:`FinalCheckpoint` adds the final step when it falls between cadences;
+  :class:`PreemptionCheckpoint` saves and stops on SIGTERM / SIGUSR1 at the next step
+  boundary (SLURM sends SIGUSR1 with ``#SBATCH --signal=SIGUSR1@90`` before the time limit and
+  SIGTERM on cancel; with ``requeue=true`` it also runs ``scontrol requeue``); a stop after
+  ``max_nonfinite_in_row`` skipped steps saves too (``DFlashModule``). Every save happens in
+  ``on_train_batch_end``, never after the loop stopped, so ``ckpt_path=last`` continues
+  bit-exactly.
 
-SLURM sends SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``) before the time limit and SIGTERM on
-cancel/preemption. Either sets a flag; after the current optimizer step the callback writes
-``last.ckpt`` (atomically, through the trainer's checkpoint IO) and stops the trainer, so
-``ckpt_path=last`` continues bit-exactly. On SIGUSR1 inside a SLURM job with
-``requeue=true`` it also runs ``scontrol requeue $SLURM_JOB_ID``.
+What a checkpoint holds is ``dflash_lit/checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -15,9 +23,42 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
+
+from dflash_lit.atomic import atomic_write
+from dflash_lit.errors import UserError
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to ``path`` via tmp + fsync + rename."""
+    atomic_write(path, lambda f: torch.save(obj, f), what="checkpoint",
+                 intact="the previous checkpoints in that directory are intact")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """TorchCheckpointIO with atomic saves and readable load errors."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO does not take storage_options")
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"checkpoint {p} does not exist")
+        try:
+            return torch.load(p, map_location=map_location or "cpu", weights_only=False)
+        except Exception as e:
+            raise UserError(
+                f"checkpoint {p} is corrupt or truncated ({type(e).__name__}: {e}); resume from "
+                "an earlier checkpoint in the same directory"
+            ) from None
 
 
 def checkpoint_dir(trainer) -> Path:
