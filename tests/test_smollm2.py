@@ -137,3 +137,14 @@ def test_build_without_the_wheel_says_how_to_install(monkeypatch, capsys):
     with pytest.raises(FileNotFoundError, match="build it: python -m dflash_lit.targets.smollm2 "
                        "build --out"):
         smollm2.require_built("/nonexistent/dir")
+
+
+def test_tools_accept_the_target_config_name(tmp_path, monkeypatch):
+    """evaluate.py / export.py ``target=smollm2`` resolve to the built dir; paths pass through."""
+    from dflash_lit.targets import named_target_path
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    assert named_target_path("smollm2") == str(tmp_path / "smollm2")
+    assert named_target_path("tiny") == str(REPO / "artifacts" / "tiny" / "target")
+    assert named_target_path("random_qwen3") is None  # a random build has no directory
+    assert named_target_path("Qwen/Qwen3-8B") is None and named_target_path(str(tmp_path)) is None

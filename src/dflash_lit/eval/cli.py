@@ -59,8 +59,12 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_target_path(cfg: DictConfig, info_target: dict[str, Any]) -> str:
-    """``target=`` or the path the checkpoint recorded; a local path must exist."""
+    """``target=`` (a directory, hub id or a ``conf/target`` name such as ``smollm2``) or the
+    path the checkpoint recorded; a local path must exist."""
+    from dflash_lit.targets import named_target_path
+
     path = cfg.target or info_target.get("path")
+    path = named_target_path(str(path)) or path
     if not path:
         raise UserError(
             "no target: the drafter source records none (a z-lab directory); pass target=<HF dir or hub id>"

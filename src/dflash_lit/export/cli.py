@@ -28,7 +28,10 @@ def export(cfg: DictConfig) -> int:
         if cfg.target:
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(cfg.target).eval()
+            from dflash_lit.targets import named_target_path
+
+            target = named_target_path(str(cfg.target)) or cfg.target  # e.g. target=smollm2
+            model = AutoModelForCausalLM.from_pretrained(target).eval()
             drafter, _ = load_drafter(cfg.ckpt, cfg.drafter)
             check_compatible(drafter.config, model)
             lm_head = model.get_output_embeddings()

@@ -23,6 +23,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("DFLASH_CACHE") or "~/.cache/dflash-lit").expanduser()
 
 
+def named_target_path(name: str) -> str | None:
+    """The ``path`` of ``conf/target/<name>.yaml`` (e.g. ``smollm2``), so tools that take a
+    target directory also accept a training target's config name; None for anything else
+    (a directory, a hub id, a config without a path)."""
+    from omegaconf import OmegaConf
+
+    from dflash_lit.resolvers import register, repo_root
+
+    conf = Path(repo_root()) / "conf"
+    f = conf / "target" / f"{name}.yaml"
+    if not name or "/" in name or Path(name).exists() or not f.is_file():
+        return None
+    register()
+    cfg = OmegaConf.create({"paths": OmegaConf.load(conf / "paths" / "default.yaml"),
+                            "target": OmegaConf.load(f)})
+    path = cfg.target.get("path")
+    return None if path is None else str(path)
+
+
 def build_hint(path: str | Path) -> str:
     """`` (build it: <command>)`` for a path one of our builders writes, else ``""``."""
     p = Path(str(path)).expanduser()
