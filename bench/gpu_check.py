@@ -1,9 +1,9 @@
 """One-shot GPU check, run once on one GPU (H100/H200): sized to finish in under 8 minutes
 (``--quick``: less); each part's seconds are in the result.
 
-1. attention: compiled ``flex_attention`` with the training layout's flex BlockMask against the
-   dense bool-mask SDPA path (the baseline) and the eager flex call ``attention.attend`` makes in
-   training today, bf16 forward + backward on B=1, 3072 context tokens, 512 anchors x Bs=16,
+1. attention: ``attention.attend``'s flex path (compiled ``flex_attention`` on CUDA) with the
+   training layout's flex BlockMask against the dense bool-mask SDPA path (the baseline) and
+   eager flex (what training ran before flex was compiled), bf16 forward + backward on B=1, 3072 context tokens, 512 anchors x Bs=16,
    Qwen3-0.6B heads (16 q / 8 kv, head_dim 128). Outputs and input grads are compared with an
    fp32 dense reference: a flex path passes when its max error (relative to max |reference|)
    is <= 2x the dense bf16 path's own error + 2^-8 (half a bf16 ulp at that max), per tensor.
@@ -12,8 +12,8 @@
    Qwen3-0.6B-sized target (hidden 1024, 28 layers, vocab 151936) and 1 / 5 drafter layers at
    512 anchors x 3072 tokens: step time, tokens/s, MFU (bench/flops.py counts over a bf16
    matmul peak measured in this run), peak ``torch.cuda.max_memory_allocated``; dense
-   attention is the baseline, eager flex (``attention=auto``) the training default, compiled
-   flex what-if.
+   attention is the baseline, compiled flex (``attention=auto``) the training default, eager
+   flex the previous default.
 3. resume: ``train.py trainer=gpu`` subprocesses on a tiny random target: 20 steps straight vs
    10 steps (cut by the preemption path: SIGTERM -> last.ckpt, schedules still sized for 20)
    resumed with ``ckpt_path=last`` for 10 more. Checkpoints compared leaf by leaf; a second
@@ -133,12 +133,13 @@ def attention_check(sh: Shapes, dev: torch.device) -> dict[str, Any]:
               "flex": median_time(lambda: flex_block_mask(layout, compile=cuda), sh.repeats)}
     dense = dense_mask(layout)
     block_mask = flex_block_mask(layout, compile=cuda)
-    # inductor on CUDA; on CPU (dry run) dynamo only: inductor's CPU flex takes ~25 s to build
+    # on CPU (dry run) dynamo only: inductor's CPU flex takes ~25 s to build
     compiled = torch.compile(flex_attention, backend="inductor" if cuda else "eager")
     gqa = sh.heads != sh.kv_heads
     paths: dict[str, Callable] = {
         "dense SDPA (baseline)": lambda q, k, v: attend(q, k, v, dense),
-        "flex eager (training path)": lambda q, k, v: attend(q, k, v, block_mask),
+        "flex eager (previous)": lambda q, k, v: flex_attention(
+            q, k, v, block_mask=block_mask, enable_gqa=gqa),
         "flex compiled": lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa),
     }
     ref = fwd_bwd(paths["dense SDPA (baseline)"], [t.float() for t in qkv], do.float(), True)
@@ -223,17 +224,16 @@ def step_overrides(sh: Shapes, layers: int, data: Path, cuda: bool) -> list[str]
 
 
 @contextlib.contextmanager
-def flex_compiled(backend: str | None) -> Iterator[None]:
-    """Route ``attention.attend``'s flex call through ``torch.compile(backend)`` (None: eager)."""
+def flex_compiled(compiled: bool) -> Iterator[None]:
+    """``attention.attend``'s flex call compiled on CUDA (the training default) or eager."""
     from dflash_lit.model import attention
 
-    orig = attention.flex_attention
-    if backend:
-        attention.flex_attention = torch.compile(orig, backend=backend)
+    orig = attention.COMPILE_FLEX_ON_CUDA
+    attention.COMPILE_FLEX_ON_CUDA = compiled
     try:
         yield
     finally:
-        attention.flex_attention = orig
+        attention.COMPILE_FLEX_ON_CUDA = orig
 
 
 def run_steps(module, batches: list[dict], warmup: int, dev: torch.device) -> dict[str, Any]:
@@ -283,7 +283,7 @@ def run_steps(module, batches: list[dict], warmup: int, dev: torch.device) -> di
 
 def step_check(sh: Shapes, dev: torch.device, layers: int, data: Path,
                peak_flops: float) -> list[dict]:
-    """Rows for one drafter depth: dense (baseline), eager flex (training default), compiled flex."""
+    """Rows for one drafter depth: dense (baseline), compiled flex (training default), eager flex."""
     from dflash_lit.train.run import build_run
 
     cuda = dev.type == "cuda"
@@ -294,16 +294,16 @@ def step_check(sh: Shapes, dev: torch.device, layers: int, data: Path,
     loader = itertools.cycle(dm.train_dataloader())
     batches = [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
                for b in itertools.islice(loader, sh.warmup + sh.steps)]
-    variants = {"dense (baseline)": ("dense", None)}
+    variants = {"dense (baseline)": ("dense", True)}
     if cuda:  # flex has no CPU backward
-        variants |= {"flex eager (attention=auto)": ("auto", None),
-                     "flex compiled (what-if)": ("flex", "inductor")}
+        variants |= {"flex compiled (attention=auto)": ("auto", True),
+                     "flex eager (previous default)": ("flex", False)}
     rows: list[dict] = []
-    for name, (attention, backend) in variants.items():
+    for name, (attention, compiled) in variants.items():
         module.attention = attention
         row: dict[str, Any] = {"drafter_layers": layers, "variant": name}
         try:
-            with flex_compiled(backend):
+            with flex_compiled(compiled):
                 m = run_steps(module, batches, sh.warmup, dev)
         except Exception as e:  # OOM, a compile failure: recorded, the other variants still run
             if not cuda:

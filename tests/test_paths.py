@@ -22,6 +22,13 @@ def test_repo_relative_rewrites_paths_under_the_root_only(tmp_path):
         "seed": 0, "out": "rel/dir"}
 
 
+def test_built_target_paths_are_recorded_against_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    rec = {"target": str(tmp_path / "cache" / "smollm2"), "other": "/elsewhere/x"}
+    assert repo_relative(rec, tmp_path / "repo") == {"target": "$DFLASH_CACHE/smollm2",
+                                                     "other": "/elsewhere/x"}
+
+
 def _strings(v):
     """Every string leaf of a YAML document."""
     if isinstance(v, dict):
@@ -32,7 +39,8 @@ def _strings(v):
 
 
 def test_shipped_regenerate_configs_hold_no_absolute_path():
-    files = sorted(REPO.glob("artifacts/tiny/data/*/regenerate_config.yaml"))
+    files = sorted(REPO.glob("artifacts/*/data/*/regenerate_config.yaml"))
+    files += sorted(REPO.glob("artifacts/*/data/*/summary.json"))  # JSON is YAML too
     assert files
     for f in files:
         absolute = [s for s in _strings(yaml.safe_load(f.read_text())) if s.startswith("/")]

@@ -415,6 +415,7 @@ def _summary(out, status, target, backend_name, sources, load_stats, mix_stats, 
         "shards_written_this_run": [p.name for p in writer.written],
         "summary_path": str(Path(out) / "summary.json"),
     }
+    summary = repo_relative(summary)  # a shipped record: no build-machine paths
     data = json.dumps(summary, indent=2).encode()
     atomic_write(Path(out) / "summary.json", lambda f: f.write(data), what="summary")
     return summary

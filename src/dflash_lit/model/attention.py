@@ -12,6 +12,8 @@ path stays the CPU default and ``attention=blockwise`` is the option for many-an
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -46,11 +48,31 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockwiseMask) ->
     return out + (p[..., s:] @ v_blk).reshape(b, h, q_len, dim)
 
 
+# Eager flex_attention materialises the whole score matrix (torch warns so); compiled, it runs
+# the block-sparse kernel the BlockMask is for. Tools set this False to time the eager path.
+COMPILE_FLEX_ON_CUDA = True
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention)
+
+
+def flex(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, gqa: bool) -> Tensor:
+    """flex_attention with the BlockMask: compiled on CUDA, eager elsewhere (CPU forward only)."""
+    if q.dtype != v.dtype or k.dtype != v.dtype:
+        # Under autocast the RMSNorm'd q/k stay fp32 while v is bf16; flex is not an autocast
+        # op (SDPA is, and casts all three down): cast as SDPA would.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+    fn = _compiled_flex() if q.is_cuda and COMPILE_FLEX_ON_CUDA else flex_attention
+    return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockwiseMask | None) -> Tensor:
     """Dispatch on the mask type: BlockwiseMask, flex BlockMask, dense bool mask or none."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, BlockwiseMask):
         return blockwise_attention(q, k, v, mask)
     if BlockMask is not None and isinstance(mask, BlockMask):
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return flex(q, k, v, mask, gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

