@@ -9,6 +9,11 @@ embedded default (tiny target, default data), in one run.
   online epoch.
 
     python bench/feature_cache.py [--steps 6] [--overrides experiment=v5_hardce ...]
+    python bench/feature_cache.py --name feature_cache_smollm2 --skip-build --overrides \
+        experiment=v5_hardce target=smollm2 data=smollm2 drafter=smollm2 budget=smollm2_cpu
+
+``--skip-build`` times the steps only (the cache a training run built is reused; its build
+time is in that cache's ``manifest.json``).
 """
 
 from __future__ import annotations
@@ -53,18 +58,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--overrides", nargs="*", default=["experiment=v5_hardce"])
+    ap.add_argument("--skip-build", action="store_true", help="time the steps only")
+    ap.add_argument("--name", default="feature_cache", help="bench/results/<name>.{json,md}")
     args = ap.parse_args()
     ov = list(args.overrides)
-    b = build_seconds(ov + ["features=cache"])
+    b = None if args.skip_build else build_seconds(ov + ["features=cache"])
     on = time_steps(ov + ["features=online"], steps=args.steps)
     ca = time_steps(ov + ["features=cache"], steps=args.steps)
     rows = [{"features": name, "step_s": m["step_s"],
              **{f"{p}_s": m[p] for p in PHASES}} for name, m in (("online", on), ("cache", ca))]
     ratio = ca["step_s"] / on["step_s"]
-    table = fmt_table(rows) + (
-        f"\n\ncache epoch / online epoch: **{ratio:.2f}**; build: {b['rows']} rows in "
-        f"{b['build_s']:.1f} s, {b['cache_mib']:.0f} MiB on disk (bf16)")
-    write_result("feature_cache", {"peaks": peaks(), "build": b, "rows": rows,
+    table = fmt_table(rows) + f"\n\ncache epoch / online epoch: **{ratio:.2f}**" + (
+        f"; build: {b['rows']} rows in {b['build_s']:.1f} s, {b['cache_mib']:.0f} MiB on disk "
+        "(bf16)" if b else "") + f"; overrides: {' '.join(ov)}"
+    write_result(args.name, {"peaks": peaks(), "build": b, "rows": rows,
                                    "epoch_ratio": ratio, "overrides": ov}, table)
 
 
