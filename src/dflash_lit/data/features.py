@@ -186,7 +186,9 @@ class FeatureStore:
     def argmax(self, row: int, length: int) -> np.ndarray:
         return self._bytes("argmax", row).view(np.int32)[:length]
 
-    def topk(self, row: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def topk_logits(self, row: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """([length, k] int32 ids, [length, k] fp32 logits): the target's top-k at each
+        position (``self.topk`` = k, 0 when the cache holds none)."""
         ids = self._bytes("topk_ids", row).view(np.int32).reshape(-1, self.topk)[:length]
         vals = self._bytes("topk_logits", row).view(np.float32).reshape(-1, self.topk)[:length]
         return ids, vals

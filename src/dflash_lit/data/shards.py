@@ -351,7 +351,7 @@ class ShardDataset(torch.utils.data.Dataset):
                     row["target_hidden"] = self.features.hidden(r, n)
                     row["target_argmax"] = self.features.argmax(r, n)
                     if self.features.topk:
-                        row["target_topk"] = self.features.topk(r, n)
+                        row["target_topk"] = self.features.topk_logits(r, n)
                 out[k] = row
         return out
 

@@ -38,6 +38,7 @@ from dflash_lit.data.features import (
     write_manifest,
 )
 from dflash_lit.data.shards import find_shards
+from dflash_lit.errors import UserError
 
 MODES = ("online", "cache")
 
@@ -104,16 +105,30 @@ def _lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def cache_needs_distribution(losses: dict[str, Any]) -> bool:
+    """Whether a feature cache must store the target's top-k logits for these losses
+    (drafter name -> configured loss): a distillation loss needs them, hard CE and D-PACE the
+    argmax only. A loss that needs the full distribution (reverse KL) is refused."""
+    for name, loss in losses.items():
+        if loss.needs_full_distribution:
+            raise UserError(
+                f"drafters.{name}.loss.divergence=reverse_kl needs the target's full logits "
+                "(KL(q‖p) is unbounded where a top-k cache has p = 0): use features=online, "
+                "or loss.divergence=forward_kl / jsd / tv")
+    return any(loss.needs_target_distribution for loss in losses.values())
+
+
 def resolve_topk(fcfg: DictConfig, need_distribution: bool) -> int:
     """Top-k logits to store: ``features.topk`` or, when null, 64 if a loss needs the target's
-    distribution (composite KL) and 0 otherwise (hard CE needs the argmax only)."""
+    distribution (composite / distill) and 0 otherwise (hard CE and D-PACE need the argmax
+    only)."""
     k = fcfg.get("topk")
     if k is None:
         return 64 if need_distribution else 0
     if int(k) < 0 or (need_distribution and int(k) == 0):
         raise FeatureCacheError(
-            f"features.topk={k}: a loss here needs the target's distribution (composite KL); "
-            "store its top-k logits (features.topk=64) or use features=online")
+            f"features.topk={k}: a loss here needs the target's distribution (composite / "
+            "distill); store its top-k logits (features.topk=64) or use features=online")
     return int(k)
 
 

@@ -18,18 +18,32 @@ the softmax, CE and reductions are always float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from dflash_lit.model.layout import IGNORE
-from dflash_lit.train.losses import LossOutput, position_weights, valid_mask
+from dflash_lit.train.losses import (
+    LossOutput,
+    dpace_slot_weights,
+    loss_normaliser,
+    position_weights,
+    valid_mask,
+)
+
+SlotWeights = Tensor | Callable[[Tensor], Tensor]
 
 
 class _LinearCE(torch.autograd.Function):
-    """sum_i w_i · CE(h_i @ W.T, y_i), gradient only w.r.t. h (W is frozen)."""
+    """sum_i w_i · CE(h_i @ W.T, y_i), gradient only w.r.t. h (W is frozen).
+
+    ``w`` is either fixed [M] weights, folded into each chunk's gradient, or a function of
+    the detached CE [M] (D-PACE), applied once every row's CE is known: the gradient of row
+    i is linear in w_i, so its rows are scaled afterwards."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, w: Tensor,
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, w: SlotWeights,
                 chunk_rows: int, compute_dtype: torch.dtype):
         m = hidden.shape[0]
         ce = torch.empty(m, dtype=torch.float32, device=hidden.device)
@@ -46,8 +60,12 @@ class _LinearCE(torch.autograd.Function):
             # d(w·CE)/dlogits = w · (softmax - onehot), written into the logits buffer
             probs = logits.sub_(lse[:, None]).exp_()
             probs.scatter_add_(1, y[:, None], torch.full_like(lse[:, None], -1.0))
-            probs.mul_(w[s:e, None])
+            if not callable(w):
+                probs.mul_(w[s:e, None])
             grad[s:e] = (probs.to(compute_dtype) @ wc).to(hidden.dtype)
+        if callable(w):
+            w = w(ce).float()
+            grad.mul_(w[:, None])
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(ce, pred)
         return (w * ce).sum(), ce, pred
@@ -62,7 +80,7 @@ def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
-    slot_weights: Tensor,
+    slot_weights: SlotWeights,
     chunk_rows: int = 2048,
     compute_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -72,7 +90,8 @@ def linear_cross_entropy(
         hidden: [M, d] rows to classify (the drafter's final-normed states of valid slots).
         weight: [V, d] frozen output projection (``requires_grad`` must be False).
         labels: [M] int64 class ids (no ignore entries: pass valid rows only).
-        slot_weights: [M] float32 weights (already normalised by the caller).
+        slot_weights: [M] float32 weights (already normalised by the caller), or a function
+            of the per-row CE [M] (detached) returning them, for weights that depend on it.
         chunk_rows: rows per chunk (peak memory ~ 3 · chunk_rows · V floats).
         compute_dtype: matmul dtype (default: ``hidden``'s); softmax/CE are float32.
 
@@ -85,7 +104,8 @@ def linear_cross_entropy(
     if chunk_rows < 1:
         raise ValueError(f"linear_cross_entropy: chunk_rows={chunk_rows} must be >= 1")
     cd = compute_dtype or hidden.dtype
-    return _LinearCE.apply(hidden, weight, labels, slot_weights.float(), int(chunk_rows), cd)
+    w = slot_weights if callable(slot_weights) else slot_weights.float()
+    return _LinearCE.apply(hidden, weight, labels, w, int(chunk_rows), cd)
 
 
 def fused_hard_ce(
@@ -116,4 +136,39 @@ def fused_hard_ce(
     pred = torch.full(valid.shape, IGNORE, dtype=torch.long, device=hidden.device)
     pred[valid] = pred_v
     return LossOutput(loss=loss, per_slot_ce=per_slot, weight_sum=weight_sum.detach(),
+                      n_valid=valid.sum()), pred
+
+
+def fused_dpace(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    alpha: float,
+    gamma: float | None,
+    normalize: str,
+    chunk_rows: int = 2048,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[LossOutput, Tensor]:
+    """The ``dpace_loss`` of ``hidden @ weight.T`` without the [B, N, Bs, V] logits.
+
+    One pass: the D-PACE weights need every slot's CE, which the fused forward has once its
+    chunks are done; the gradient rows are then scaled by them. Same returns as
+    ``fused_hard_ce``.
+    """
+    valid = valid_mask(labels)
+    den: dict[str, Tensor] = {}  # the normaliser, known once the forward has every CE
+
+    def weigh(ce: Tensor) -> Tensor:
+        w = dpace_slot_weights(ce, valid, alpha, gamma)
+        den["d"] = loss_normaliser(w, normalize)
+        return w / den["d"].clamp_min(torch.finfo(torch.float32).tiny)
+
+    loss, ce, pred_v = linear_cross_entropy(
+        hidden[valid], weight, labels[valid], weigh, chunk_rows, compute_dtype
+    )
+    per_slot = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)
+    per_slot[valid] = ce
+    pred = torch.full(valid.shape, IGNORE, dtype=torch.long, device=hidden.device)
+    pred[valid] = pred_v
+    return LossOutput(loss=loss, per_slot_ce=per_slot, weight_sum=den["d"].detach(),
                       n_valid=valid.sum()), pred

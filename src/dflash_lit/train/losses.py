@@ -1,4 +1,5 @@
-"""Drafter losses: position-weighted hard CE and the v3 composite (KL + CE, streak-aware).
+"""Drafter losses: position-weighted hard CE, D-PACE, and distillation against the target
+(the v3 composite, forward/reverse KL, JSD, total variation, CE + divergence mixes).
 
 Tensor conventions (shared with the LightningModule and the metrics):
 
@@ -13,6 +14,13 @@ Everything heavy is computed on the valid slots only (gathered first), in float3
 logits' dtype: with V ~ 150k a log-softmax over invalid/padding slots would dominate memory.
 No function here synchronises with the device (no ``.item()``), so they are safe inside a
 compiled / CUDA-graph-free training step.
+
+Reduction: every loss is ``Σ_valid w·ℓ / Σ_valid d`` over the batch it is given (``d = w``,
+or ``d = 1`` for D-PACE with ``normalize=slots``), and each slot's ``w`` depends only on its
+own block, so two halves of a batch combine exactly as ``(L_a·W_a + L_b·W_b) / (W_a + W_b)``
+with ``W = LossOutput.weight_sum`` (value and gradient). The module hands each rank's batch
+to the loss on its own and DDP averages the ranks' gradients, so a multi-rank step optimises
+the mean of per-rank ratios; it equals the global ratio when the ranks' ``W`` are equal.
 """
 
 from __future__ import annotations
@@ -25,10 +33,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_lit.errors import UserError
 from dflash_lit.model.layout import IGNORE
 
 LabelSource = Literal["data", "target_argmax"]
 _LABEL_SOURCES: tuple[str, ...] = ("data", "target_argmax")
+Divergence = Literal["forward_kl", "reverse_kl", "jsd", "tv"]
+DIVERGENCES: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd", "tv")
+Normalize = Literal["weights", "slots"]
+_NORMALIZE: tuple[str, ...] = ("weights", "slots")
+_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass
@@ -39,11 +53,13 @@ class LossOutput:
         loss: scalar, differentiable, float32: the weighted mean over valid slots.
         per_slot_ce: [B, N, Bs] float32, detached: CE of each slot (0 at invalid slots).
         weight_sum: scalar float32, detached: the normaliser Σ weight over valid slots
-            (Σ w for hard CE, Σ w·s for the streak-aware composite). ``loss * weight_sum``
+            (Σ w for hard CE, Σ w·s for the streak-aware composite, Σ w or the valid-slot
+            count for D-PACE). ``loss * weight_sum``
             is the un-normalised sum, so batch losses combine exactly as
             Σ loss_i·W_i / Σ W_i (what ``DrafterMetrics`` does).
         n_valid: scalar int64: number of valid slots (slot >= 1, label != -100).
-        per_slot_kl: [B, N, Bs] float32, detached, T²-scaled KL per slot (composite only).
+        per_slot_kl: [B, N, Bs] float32, detached, T²-scaled divergence per slot (the
+            distillation losses only: KL for composite, ``loss.divergence`` for distill).
     """
 
     loss: Tensor
@@ -57,7 +73,8 @@ class DrafterLoss(Protocol):
     """A configured loss: ``loss_fn(logits, labels, target_logits) -> LossOutput``."""
 
     needs_target_logits: bool
-    needs_target_distribution: bool
+    needs_target_distribution: bool  # full logits online, top-k from a feature cache
+    needs_full_distribution: bool  # full logits only: a top-k cache is refused
     label_source: str
 
     def __call__(
@@ -202,6 +219,162 @@ def streak_weights(log_p_label: Tensor, valid: Tensor) -> Tensor:
     return torch.exp(exclusive)
 
 
+# --------------------------------------------------------------------------- D-PACE
+def dpace_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
+    """Detached D-PACE weights [B, N, Bs] from the per-slot CE [B, N, Bs] (any value where
+    ``valid`` is False).
+
+    D-PACE (Dynamic Position-Aware Cross-Entropy, arXiv:2605.18810): the draft's confidence
+    in a slot's label is ``q_k = exp(-CE_k)``, smoothed towards 1 as
+    ``q̃_k = (1-alpha)·q_k + alpha``. ``C_m = Π_{i<=m} q̃_i`` (within the block) estimates the
+    probability that slots 1..m are all accepted, so ``Σ_m C_m`` is the block's expected
+    accepted length, and slot k's weight is the part of it that slot k gates:
+    ``w_k = Σ_{m>=k} C_m`` (for alpha = 0, the derivative of that sum w.r.t. ``log q_k``, so
+    ``Σ w·CE`` follows the expected accepted length's gradient). Invalid slots
+    (slot 0, ignore labels) are a factor 1 in the products, are left out of the sums and get
+    weight 0.
+    """
+    q = torch.exp(-ce.detach().float())
+    smooth = torch.where(valid, (1.0 - alpha) * q + alpha, torch.ones_like(q))
+    cum = torch.cumprod(smooth, dim=-1) * valid
+    # suffix sum Σ_{m>=k} C_m = (Σ_m C_m) - (Σ_{m<k} C_m)
+    suffix = cum.sum(dim=-1, keepdim=True) - (torch.cumsum(cum, dim=-1) - cum)
+    return suffix * valid
+
+
+def dpace_slot_weights(
+    ce: Tensor, valid: Tensor, alpha: float, gamma: float | None
+) -> Tensor:
+    """[M] detached weights of the valid slots: D-PACE times the position decay ``w_γ(k)``.
+
+    ``ce`` [M] is the CE of the valid slots (in ``valid``'s [B, N, Bs] order). ``gamma=None``
+    leaves D-PACE alone, as the public trainers use it.
+    """
+    full = torch.zeros(valid.shape, dtype=torch.float32, device=ce.device)
+    full[valid] = ce.detach().float()
+    w = dpace_weights(full, valid, alpha)
+    if gamma is not None:
+        w = w * position_weights(valid.shape[-1], gamma, device=ce.device)
+    return w[valid]
+
+
+def loss_normaliser(w: Tensor, normalize: str) -> Tensor:
+    """The denominator of a D-PACE loss: ``Σ w`` (``weights``) or the valid-slot count
+    (``slots``), a float32 scalar either way."""
+    return w.sum() if normalize == "weights" else torch.tensor(
+        float(w.numel()), dtype=torch.float32, device=w.device)
+
+
+def dpace_loss(
+    logits: Tensor,
+    labels: Tensor,
+    alpha: float = 0.5,
+    gamma: float | None = None,
+    normalize: Normalize = "weights",
+) -> LossOutput:
+    """CE weighted by the detached D-PACE weights (``dpace_weights``), times ``w_γ(k)`` if
+    ``gamma`` is set: ``loss = Σ_valid w·CE / D`` with ``D = Σ_valid w`` (``weights``) or the
+    number of valid slots (``slots``).
+    """
+    check_block_inputs(logits, labels, where="dpace_loss")
+    _check_dpace_args(alpha, normalize)
+    valid = valid_mask(labels)
+    ce = F.cross_entropy(logits[valid].float(), labels[valid], reduction="none")  # [M]
+    w = dpace_slot_weights(ce, valid, alpha, gamma)
+    den = loss_normaliser(w, normalize)
+    loss = (w * ce).sum() / den.clamp_min(_TINY)
+    return LossOutput(loss=loss, per_slot_ce=_scatter_slots(ce, valid),
+                      weight_sum=den.detach(), n_valid=valid.sum())
+
+
+def _check_dpace_args(alpha: float, normalize: str) -> None:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+        raise UserError(f"loss.alpha={alpha!r}: the D-PACE confidence smoothing must be in "
+                        "[0, 1] (public recipes use 0.5)")
+    if normalize not in _NORMALIZE:
+        raise UserError(f"loss.normalize={normalize!r}: must be one of {list(_NORMALIZE)} "
+                        "('weights': Σ w·CE / Σ w; 'slots': Σ w·CE / valid slots)")
+
+
+# --------------------------------------------------------------------------- distillation
+def _plogp_ratio(log_a: Tensor, log_b: Tensor) -> Tensor:
+    """Σ_v a_v·(log a_v − log b_v) per row, with 0·log 0 = 0 (a target logit of -inf)."""
+    term = log_a.exp() * (log_a - log_b)
+    return torch.where(torch.isneginf(log_a), torch.zeros_like(term), term).sum(-1)
+
+
+def slot_divergence(log_q: Tensor, log_p: Tensor, divergence: str) -> Tensor:
+    """[M] divergence between the target's ``p`` and the draft's ``q``, from log-probs [M, V].
+
+    ``forward_kl`` KL(p‖q) (mass-covering); ``reverse_kl`` KL(q‖p) (mode-seeking, infinite
+    where q has mass p lacks); ``jsd`` ½KL(p‖m) + ½KL(q‖m), m = (p+q)/2 (bounded by ln 2);
+    ``tv`` ½Σ|p − q| (in [0, 1]).
+    """
+    if divergence == "forward_kl":
+        return _plogp_ratio(log_p, log_q)
+    if divergence == "reverse_kl":
+        return _plogp_ratio(log_q, log_p)
+    if divergence == "jsd":
+        log_m = torch.logaddexp(log_p, log_q) - math.log(2.0)
+        return 0.5 * (_plogp_ratio(log_p, log_m) + _plogp_ratio(log_q, log_m))
+    if divergence == "tv":
+        return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    raise UserError(f"loss.divergence={divergence!r}: must be one of {list(DIVERGENCES)}")
+
+
+def distill_loss(
+    logits: Tensor,
+    labels: Tensor,
+    target_logits: Tensor | None,
+    divergence: Divergence = "forward_kl",
+    gamma: float | None = 7.0,
+    div_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    temperature: float = 1.0,
+    streak_aware: bool = False,
+) -> LossOutput:
+    """``div_weight·T²·D(target, draft at T) + ce_weight·CE(labels)`` per slot, weighted mean.
+
+    - ``D`` is ``slot_divergence`` between ``softmax(target/T)`` and ``softmax(draft/T)``,
+      scaled by ``T²`` (Hinton et al.'s convention: the KL gradient's size then does not
+      shrink with T, so the weights mean the same at any temperature).
+    - CE is plain (T = 1) cross-entropy against ``labels``.
+    - Weights ``w_k · s_k``: position decay times, if ``streak_aware``, the detached draft
+      probability (T = 1) that slots 1..k-1 were all right (``streak_weights``).
+    - Normalised by ``Σ w·s`` over valid slots.
+    """
+    check_block_inputs(logits, labels, target_logits, where="distill_loss")
+    if target_logits is None:
+        raise ValueError(
+            f"loss.divergence={divergence} needs the target's logits, but target_logits is "
+            "None: have the module compute them, or use loss.name=hard_ce / dpace")
+    _check_distill_args(divergence, div_weight, ce_weight, temperature)
+    valid = valid_mask(labels)
+    t = float(temperature)
+
+    draft = logits[valid].float()  # [M, V]
+    ce = F.cross_entropy(draft, labels[valid], reduction="none")  # [M]
+    log_q_t = F.log_softmax(draft / t, dim=-1)
+    log_p_t = F.log_softmax(target_logits[valid].detach().float() / t, dim=-1)
+    div = slot_divergence(log_q_t, log_p_t, divergence) * (t * t)  # [M]
+
+    w = position_weights(logits.shape[2], gamma, device=logits.device).expand(valid.shape)
+    if streak_aware:
+        log_p_label = torch.zeros(valid.shape, dtype=torch.float32, device=logits.device)
+        log_p_label[valid] = -ce.detach()
+        w = w * streak_weights(log_p_label, valid)
+    w = w[valid]  # [M]
+    weight_sum = w.sum()
+    loss = (w * (div_weight * div + ce_weight * ce)).sum() / weight_sum.clamp_min(_TINY)
+    return LossOutput(
+        loss=loss,
+        per_slot_ce=_scatter_slots(ce, valid),
+        weight_sum=weight_sum.detach(),
+        n_valid=valid.sum(),
+        per_slot_kl=_scatter_slots(div, valid),
+    )
+
+
 def composite_loss(
     logits: Tensor,
     labels: Tensor,
@@ -212,65 +385,49 @@ def composite_loss(
     temperature: float = 2.0,
     streak_aware: bool = True,
 ) -> LossOutput:
-    """The v3 recipe: ``kl_weight·T²·KL(target‖draft at T) + ce_weight·CE(labels)`` per slot.
-
-    - KL term: ``KL(softmax(t/T) ‖ softmax(d/T))`` scaled by ``T²`` (Hinton et al.'s
-      distillation convention: keeps the KL gradient's magnitude independent of T, so the
-      0.7/0.3 mix means the same at any temperature).
-    - CE term: plain (T = 1) cross-entropy against ``labels`` (data labels in v3).
-    - Weights ``w_k · s_k``: position decay times, if ``streak_aware``, the detached draft
-      probability (T = 1) that slots 1..k-1 were all right (``streak_weights``).
-    - Normalised by ``Σ w·s`` over valid slots, so the loss is a weighted mean.
-    """
+    """The v3 recipe: ``kl_weight·T²·KL(target‖draft at T) + ce_weight·CE(labels)`` per slot,
+    with streak-aware position weights: ``distill_loss`` with ``divergence=forward_kl``."""
     check_block_inputs(logits, labels, target_logits, where="composite_loss")
     if target_logits is None:
         raise ValueError(
             "loss.name=composite needs the target's logits (its KL term), but target_logits is "
             "None: have the module compute them, or use loss.name=hard_ce"
         )
-    _check_composite_args(kl_weight, ce_weight, temperature)
-    bs = logits.shape[2]
-    valid = valid_mask(labels)
-    t = float(temperature)
-
-    draft = logits[valid].float()  # [M, V]
-    tgt_labels = labels[valid]
-    ce = F.cross_entropy(draft, tgt_labels, reduction="none")  # [M]
-    log_q_t = F.log_softmax(draft / t, dim=-1)
-    log_p_t = F.log_softmax(target_logits[valid].detach().float() / t, dim=-1)
-    kl = F.kl_div(log_q_t, log_p_t, log_target=True, reduction="none").sum(-1) * (t * t)  # [M]
-
-    w = position_weights(bs, gamma, device=logits.device).expand(valid.shape)
-    if streak_aware:
-        log_p_label = torch.zeros(valid.shape, dtype=torch.float32, device=logits.device)
-        log_p_label[valid] = -ce.detach()
-        w = w * streak_weights(log_p_label, valid)
-    w = w[valid]  # [M]
-    per_slot = kl_weight * kl + ce_weight * ce
-    weight_sum = w.sum()
-    loss = (w * per_slot).sum() / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
-    return LossOutput(
-        loss=loss,
-        per_slot_ce=_scatter_slots(ce, valid),
-        weight_sum=weight_sum.detach(),
-        n_valid=valid.sum(),
-        per_slot_kl=_scatter_slots(kl, valid),
-    )
+    _check_mix_args(kl_weight, ce_weight, temperature, div_key="kl_weight", example="0.7 / 0.3")
+    return distill_loss(logits, labels, target_logits, "forward_kl", gamma, kl_weight,
+                        ce_weight, temperature, streak_aware)
 
 
-def _check_composite_args(kl_weight: float, ce_weight: float, temperature: float) -> None:
+def _check_mix_args(div_weight: float, ce_weight: float, temperature: float,
+                    div_key: str, example: str) -> None:
     if not temperature > 0:
-        raise ValueError(f"loss.temperature={temperature!r}: must be > 0 (v3 uses 2.0)")
-    if kl_weight < 0 or ce_weight < 0 or (kl_weight == 0 and ce_weight == 0):
-        raise ValueError(
-            f"loss.kl_weight={kl_weight!r}, loss.ce_weight={ce_weight!r}: both must be >= 0 and "
-            "not both 0 (v3 uses 0.7 / 0.3)"
+        raise UserError(f"loss.temperature={temperature!r}: must be > 0 (v3 uses 2.0)")
+    if div_weight < 0 or ce_weight < 0 or (div_weight == 0 and ce_weight == 0):
+        raise UserError(
+            f"loss.{div_key}={div_weight!r}, loss.ce_weight={ce_weight!r}: both must be >= 0 "
+            f"and not both 0 (e.g. {example})"
         )
+
+
+def _check_distill_args(divergence: str, div_weight: float, ce_weight: float,
+                        temperature: float) -> None:
+    if divergence not in DIVERGENCES:
+        raise UserError(f"loss.divergence={divergence!r}: must be one of {list(DIVERGENCES)}")
+    _check_mix_args(div_weight, ce_weight, temperature, div_key="div_weight",
+                    example="1.0 / 0.0 for a pure divergence")
+
+
+def _check_gamma(gamma: float | None) -> None:
+    """``loss.gamma`` at config time, as a ``UserError``."""
+    try:
+        position_weights(2, gamma)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def _check_label_source(labels: str) -> None:
     if labels not in _LABEL_SOURCES:
-        raise ValueError(
+        raise UserError(
             f"loss.labels={labels!r}: must be one of {list(_LABEL_SOURCES)} ('data': the "
             "sequence's tokens; 'target_argmax': the target's greedy choice)"
         )
@@ -290,7 +447,7 @@ class HardCELoss:
 
     def __post_init__(self) -> None:
         _check_label_source(self.labels)
-        position_weights(2, self.gamma)  # validates loss.gamma at config time
+        _check_gamma(self.gamma)
 
     @property
     def needs_target_logits(self) -> bool:
@@ -298,6 +455,7 @@ class HardCELoss:
         return self.labels == "target_argmax"
 
     needs_target_distribution = False  # the argmax ids suffice (a feature cache stores them)
+    needs_full_distribution = False
 
     @property
     def label_source(self) -> str:
@@ -327,8 +485,9 @@ class CompositeLoss:
 
     def __post_init__(self) -> None:
         _check_label_source(self.labels)
-        _check_composite_args(self.kl_weight, self.ce_weight, self.temperature)
-        position_weights(2, self.gamma)
+        _check_mix_args(self.kl_weight, self.ce_weight, self.temperature, div_key="kl_weight",
+                        example="0.7 / 0.3")
+        _check_gamma(self.gamma)
 
     @property
     def needs_target_logits(self) -> bool:
@@ -336,6 +495,7 @@ class CompositeLoss:
         return True
 
     needs_target_distribution = True  # the KL term: full logits online, top-k from a cache
+    needs_full_distribution = False
 
     @property
     def label_source(self) -> str:
@@ -367,22 +527,105 @@ class CompositeLoss:
         )
 
 
-LOSSES: dict[str, type] = {"hard_ce": HardCELoss, "composite": CompositeLoss}
+@dataclass(frozen=True)
+class DPaceLoss:
+    """``dpace`` configured: CE against ``labels`` weighted by D-PACE (times ``w_γ`` if set)."""
+
+    alpha: float = 0.5
+    gamma: float | None = None
+    normalize: Normalize = "weights"
+    labels: LabelSource = "target_argmax"
+
+    def __post_init__(self) -> None:
+        _check_label_source(self.labels)
+        _check_dpace_args(self.alpha, self.normalize)
+        _check_gamma(self.gamma)
+
+    @property
+    def needs_target_logits(self) -> bool:
+        """Whether the module must compute the target's logits (here: for their argmax)."""
+        return self.labels == "target_argmax"
+
+    needs_target_distribution = False  # the argmax ids suffice (a feature cache stores them)
+    needs_full_distribution = False
+
+    @property
+    def label_source(self) -> str:
+        return self.labels
+
+    def __call__(
+        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
+    ) -> LossOutput:
+        return self.with_labels(logits, _resolve_labels(self.labels, labels, target_logits))
+
+    def with_labels(self, logits: Tensor, labels: Tensor,
+                    target_logits: Tensor | None = None) -> LossOutput:
+        """The loss for labels already resolved from ``label_source``."""
+        return dpace_loss(logits, labels, self.alpha, self.gamma, self.normalize)
+
+
+@dataclass(frozen=True)
+class DistillLoss:
+    """``distill`` configured: ``div_weight·T²·D(target, draft) + ce_weight·CE`` per slot,
+    D = ``divergence`` (forward_kl | reverse_kl | jsd | tv)."""
+
+    divergence: Divergence = "forward_kl"
+    gamma: float | None = 7.0
+    div_weight: float = 1.0
+    ce_weight: float = 0.0
+    temperature: float = 1.0
+    streak_aware: bool = False
+    labels: LabelSource = "target_argmax"  # CE labels (and the training metrics' labels)
+
+    def __post_init__(self) -> None:
+        _check_label_source(self.labels)
+        _check_distill_args(self.divergence, self.div_weight, self.ce_weight, self.temperature)
+        _check_gamma(self.gamma)
+
+    needs_target_logits = True  # the divergence needs the target's distribution
+
+    needs_target_distribution = True  # full logits online, top-k from a cache
+
+    @property
+    def needs_full_distribution(self) -> bool:
+        """reverse KL is infinite wherever the draft has mass outside a cached top-k."""
+        return self.divergence == "reverse_kl"
+
+    @property
+    def label_source(self) -> str:
+        return self.labels
+
+    def __call__(
+        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
+    ) -> LossOutput:
+        return self.with_labels(logits, _resolve_labels(self.labels, labels, target_logits),
+                                target_logits)
+
+    def with_labels(self, logits: Tensor, labels: Tensor,
+                    target_logits: Tensor | None = None) -> LossOutput:
+        """The loss for CE labels already resolved from ``label_source``."""
+        return distill_loss(logits, labels, target_logits, self.divergence, self.gamma,
+                            self.div_weight, self.ce_weight, self.temperature,
+                            self.streak_aware)
+
+
+LOSSES: dict[str, type] = {"hard_ce": HardCELoss, "composite": CompositeLoss,
+                           "dpace": DPaceLoss, "distill": DistillLoss}
 
 
 def build_loss(name: str, **kwargs: Any) -> DrafterLoss:
     """Build a configured loss from its Hydra group: ``build_loss(**cfg.loss)``.
 
     ``loss: {name: hard_ce, gamma: 7, labels: target_argmax}`` maps directly. Unknown names or
-    keys raise ValueError listing what is accepted.
+    keys raise ``UserError`` listing what is accepted.
     """
     if name not in LOSSES:
-        raise ValueError(f"loss.name={name!r}: unknown loss; choose one of {sorted(LOSSES)}")
+        raise UserError(f"loss.name={name!r}: unknown loss; choose one of {sorted(LOSSES)}")
     cls = LOSSES[name]
     allowed = sorted(cls.__dataclass_fields__)
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"loss.name={name}: unknown key(s) {unknown} under loss:; accepted keys: {allowed}"
         )
     return cls(**kwargs)

@@ -25,8 +25,8 @@ from dflash_lit.model.drafter import DFlashDrafter
 from dflash_lit.model.layout import build_layout, gather_target_argmax, gather_target_logits
 from dflash_lit.model.target import FrozenTarget, TargetOutput
 from dflash_lit.train.anchors import fixed_anchors, sample_anchors, step_generator
-from dflash_lit.train.linear_ce import fused_hard_ce
-from dflash_lit.train.losses import HardCELoss, build_loss, resolve_argmax_labels
+from dflash_lit.train.linear_ce import fused_dpace, fused_hard_ce
+from dflash_lit.train.losses import DPaceLoss, HardCELoss, build_loss, resolve_argmax_labels
 from dflash_lit.train.metrics import DrafterMetrics, accuracy, streak
 from dflash_lit.train.plateau import PlateauDiagnostics, plateau_message
 from dflash_lit.train.schedules import lr_factor, max_anchors_at, noise_sigma
@@ -102,12 +102,13 @@ class DFlashModule(L.LightningModule):
             s.name: [self.capture_ids.index(i) for i in s.model.target_layer_ids] for s in specs
         }
         # online: the target computes its logits when a loss needs their argmax or the full
-        # distribution; only the composite/KL losses keep the distribution past the argmax
+        # distribution; only the composite/distill losses keep the distribution past the argmax
         self.need_logits = any(loss.needs_target_logits for loss in self.losses.values())
         self.need_distribution = any(loss.needs_target_distribution
                                      for loss in self.losses.values())
-        # hard CE runs fused with the frozen lm_head (linear_ce): matmuls in head_dtype (bf16
-        # where the machine measures it faster), softmax/CE in fp32, chunk_rows slots at a time
+        # hard CE and D-PACE run fused with the frozen lm_head (linear_ce): matmuls in
+        # head_dtype (bf16 where the machine measures it faster), softmax/CE in fp32,
+        # chunk_rows slots at a time
         self.head_dtype = head_dtype
         self.loss_chunk_rows = int(loss_chunk_rows)
         bs = {s.name: s.model.block_size for s in specs}
@@ -207,14 +208,20 @@ class DFlashModule(L.LightningModule):
     def _head_loss(self, name, layout, hidden, out, need_logits: bool):
         """(logits or argmax ids, LossOutput) of the drafter's hidden states."""
         loss = self.losses[name]
-        if isinstance(loss, HardCELoss) and not need_logits:
-            weight = self._target.lm_head.weight
-            loss_out, pred = fused_hard_ce(hidden.to(weight.dtype), weight, layout.labels,
-                                           loss.gamma, self.loss_chunk_rows, self.head_dtype)
+        if isinstance(loss, (HardCELoss, DPaceLoss)) and not need_logits:
+            loss_out, pred = self._fused_ce(loss, hidden, layout.labels)
             return pred, layout, loss_out
         logits = self._target.lm_head(hidden.to(self._target.dtype))
         tgt = gather_target_logits(out.logits, layout) if out.logits is not None else None
         return logits, layout, loss.with_labels(logits, layout.labels, tgt)
+
+    def _fused_ce(self, loss: HardCELoss | DPaceLoss, hidden: Tensor, labels: Tensor):
+        """(LossOutput, argmax ids) of a CE loss run fused with the frozen lm_head."""
+        weight = self._target.lm_head.weight
+        h, rows, dt = hidden.to(weight.dtype), self.loss_chunk_rows, self.head_dtype
+        if isinstance(loss, DPaceLoss):
+            return fused_dpace(h, weight, labels, loss.alpha, loss.gamma, loss.normalize, rows, dt)
+        return fused_hard_ce(h, weight, labels, loss.gamma, rows, dt)
 
     def _target_forward(self, batch) -> TargetOutput:
         """The target's captured layers and greedy ids: from the batch when the features are

@@ -26,7 +26,11 @@ from dflash_lit.train.build import (
     target_info,
 )
 from dflash_lit.train.checkpointing import AtomicCheckpointIO
-from dflash_lit.train.feature_cache import attach_feature_caches, check_features_config
+from dflash_lit.train.feature_cache import (
+    attach_feature_caches,
+    cache_needs_distribution,
+    check_features_config,
+)
 from dflash_lit.train.losses import build_loss
 from dflash_lit.train.module import DFlashModule
 from dflash_lit.train.resume import resolve_ckpt_path
@@ -83,7 +87,7 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
     total = total_training_steps(cfg, dm)
     capture = capture_layer_ids(specs)
     if check_features_config(cfg.features) == "cache":
-        need_dist = any(build_loss(**s.loss).needs_target_distribution for s in specs)
+        need_dist = cache_needs_distribution({s.name: build_loss(**s.loss) for s in specs})
         attach_feature_caches(cfg, dm, capture, need_dist,
                               lambda: build_target(cfg.target, capture))
         target = build_target_heads(cfg.target, capture)  # decoder layers never loaded
