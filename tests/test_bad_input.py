@@ -38,6 +38,12 @@ CONFIG_CASES = {
     "negative noise": (["schedule.noise.peak=-0.1"], r"drafters.main.noise: peak/final must be >= 0"),
     "max_length 0": (["data.max_length=0"], r"max_length must be >= 1, got 0"),
     "anchor_scale out of range": (["anchor_scale=2"], r"anchor_scale=2.0: must be in \(0, 1\]"),
+    "sliding window below block size": (["drafter.sliding_window=4"],
+                                        r"drafters.main: sliding_window=4: must be an integer >= block_size=8"),
+    "unknown optimizer": (["optim.name=sgd"], r"optim.name='sgd': use one of \['adamw', 'muon'\]"),
+    "muon key without muon": (["+optim.muon_ns_steps=3"], r"optim.muon_ns_steps: read only with optim=muon"),
+    "muon momentum 1": (["optim=muon", "optim.muon_momentum=1.0"], r"optim.muon_momentum=1.0: must be in \[0, 1\)"),
+    "muon under fsdp": (["optim=muon", "trainer=fsdp"], r"optim=muon: not with an FSDP trainer.strategy"),
 }
 
 

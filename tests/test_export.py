@@ -102,6 +102,41 @@ def test_export_reload_identical(setup, dtype):
         assert 0 < res.max_abs_diff < 0.1
 
 
+def test_export_sliding_window_round_trips(setup):
+    """drafter.sliding_window goes out the way vLLM / SGLang / z-lab read it and comes back."""
+    src = DFlashDrafter(cfg(sliding_window=5, num_hidden_layers=2))
+    ckpt = make_ckpt(setup["tmp"] / "swa.ckpt", {"swa": src}, str(setup["target"]))
+    out = setup["tmp"] / "zlab_swa"
+    res = export_zlab(ckpt, out)
+    assert res.weights_equal and res.max_abs_diff == 0.0  # _compare's 7 context tokens > 5
+    cj = json.loads((out / "config.json").read_text())
+    assert (cj["sliding_window"], cj["use_sliding_window"], cj["is_causal"]) == (5, True, False)
+    assert cj["layer_types"] == ["sliding_attention"] * 2 and cj["dflash_config"]["causal"] is False
+    assert "Sliding window:** each block sees the 5 context tokens" in (out / "README.md").read_text()
+    d, _ = load_drafter(out)
+    assert d.config.sliding_window == 5 and d.config.to_zlab_dict() == src.config.to_zlab_dict()
+    x, th, pos = torch.randn(1, 4, D), torch.randn(1, 9, 2 * D), torch.arange(13)[None]
+    assert torch.equal(d(x, th, pos), src(x, th, pos))
+
+
+def test_read_sliding_window_variants():
+    """Windows as other producers write them; what this drafter cannot honour is an error."""
+    from dflash_lit.model.config import read_sliding_window
+
+    base = cfg().to_zlab_dict()
+    assert "sliding_window" not in base and read_sliding_window(base) is None
+    full = {**base, "layer_types": ["full_attention"], "sliding_window": 64}
+    assert read_sliding_window(full) is None
+    vllm = {**base, "dflash_config": {"use_swa": True, "swa_window_size": 32}}  # non-causal
+    assert read_sliding_window(vllm) == 32
+    swa = {**base, "layer_types": ["sliding_attention"], "sliding_window": 16}
+    with pytest.raises(ValueError, match="causal within the block"):  # z-lab/vLLM default
+        read_sliding_window(swa)
+    assert read_sliding_window({**swa, "dflash_config": {"causal": False}}) == 16
+    with pytest.raises(ValueError, match="mixed or unknown layer types"):
+        read_sliding_window({**swa, "layer_types": ["sliding_attention", "full_attention"]})
+
+
 def _eval_cfg(overrides):
     with initialize_config_dir(config_dir=str(ROOT / "conf" / "tools"), version_base="1.3"):
         return compose("evaluate", overrides=overrides)

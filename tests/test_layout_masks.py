@@ -1,5 +1,7 @@
-"""Batched block layout == naive per-block reference, for both mask backends."""
+"""Batched block layout == naive per-block reference, for every mask backend, with and
+without a sliding window over the context."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -13,13 +15,15 @@ from dflash_lit.model.masks import dense_mask
 from dflash_lit.model.reference import reference_draft_hidden
 from dflash_lit.train.anchors import sample_anchors, step_generator
 
+WINDOW = 6  # < most anchors of random_setup's 40-token rows: the window cuts the context
 
-def random_setup(seed: int, b=3, s=40, bs=4, d=32, k=2, max_anchors=6):
+
+def random_setup(seed: int, b=3, s=40, bs=4, d=32, k=2, max_anchors=6, window=None):
     g = torch.Generator().manual_seed(seed)
     cfg = DFlashConfig(hidden_size=d, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                        intermediate_size=64, num_hidden_layers=2, block_size=bs,
                        mask_token_id=1, num_target_layers=6, target_layer_ids=[1, 4][:k],
-                       vocab_size=50)
+                       vocab_size=50, sliding_window=window)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).eval()
     embed = torch.nn.Embedding(50, d)
@@ -38,10 +42,11 @@ def random_setup(seed: int, b=3, s=40, bs=4, d=32, k=2, max_anchors=6):
     return drafter, embed, th, layout, ids, loss_mask, attn
 
 
+@pytest.mark.parametrize("window", [None, WINDOW])
 @pytest.mark.parametrize("backend", ["dense", "blockwise"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_batched_equals_reference(seed, backend):
-    drafter, embed, th, layout, *_ = random_setup(seed)
+def test_batched_equals_reference(seed, backend, window):
+    drafter, embed, th, layout, *_ = random_setup(seed, window=window)
     with torch.no_grad():
         got = draft_hidden(drafter, embed, th, layout, backend=backend)
         ref = reference_draft_hidden(drafter, embed, th, layout)
@@ -51,9 +56,10 @@ def test_batched_equals_reference(seed, backend):
     torch.testing.assert_close(got[v], ref[v], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, WINDOW])
 @pytest.mark.parametrize("seed", [0, 3])
-def test_flex_equals_dense_and_reference(seed):
-    drafter, embed, th, layout, *_ = random_setup(seed)
+def test_flex_equals_dense_and_reference(seed, window):
+    drafter, embed, th, layout, *_ = random_setup(seed, window=window)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         flex = draft_hidden(drafter, embed, th, layout, backend="flex")
@@ -64,9 +70,10 @@ def test_flex_equals_dense_and_reference(seed):
     torch.testing.assert_close(flex[v], ref[v], atol=2e-5, rtol=1e-4)
 
 
-def test_blockwise_gradients_equal_dense():
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_blockwise_gradients_equal_dense(window):
     """The CPU training path: same loss gradients as the dense mask, for every parameter."""
-    drafter, embed, th, layout, *_ = random_setup(4)
+    drafter, embed, th, layout, *_ = random_setup(4, window=window)
     drafter.train()
     th = th.requires_grad_(True)
     grads = {}
@@ -113,6 +120,60 @@ def test_block_never_sees_context_at_or_after_anchor():
     with torch.no_grad():
         out4 = draft_hidden(drafter, embed, th4, layout)
     assert (out4[bi, ni] - base[bi, ni]).abs().max() > 1e-4
+
+
+def test_window_limits_the_context_to_the_last_window_keys():
+    """A block anchored at a sees context [a - window, a): the mask cuts something here, a
+    feature just before the window changes nothing, the window's first one does."""
+    drafter, embed, th, layout, *_ = random_setup(5, window=WINDOW)
+    full, windowed = dense_mask(layout), dense_mask(layout, WINDOW)
+    assert (full & ~windowed).any() and not (windowed & ~full).any()
+    with torch.no_grad():
+        base = draft_hidden(drafter, embed, th, layout)
+    bi, ni = 0, 2
+    a = int(layout.anchors[bi, ni])
+    assert a > WINDOW
+    before = th.clone()
+    before[bi, : a - WINDOW] += torch.randn_like(before[bi, : a - WINDOW]) * 5
+    with torch.no_grad():
+        assert torch.equal(draft_hidden(drafter, embed, before, layout)[bi, ni], base[bi, ni])
+    first = th.clone()
+    first[bi, a - WINDOW] += 1.0
+    with torch.no_grad():
+        out = draft_hidden(drafter, embed, first, layout)
+    assert (out[bi, ni] - base[bi, ni]).abs().max() > 1e-4
+
+
+def test_window_at_inference_equals_the_explicit_context_slice():
+    """Inference (unmasked, cached context fed in pieces) with a window equals the drafter
+    given only the window's context, and the same drafter without a window sees more."""
+    from dflash_lit.model.drafter import DrafterCache
+
+    drafter, embed, *_ = random_setup(0, window=WINDOW)
+    torch.manual_seed(1)
+    n, bs = 20, drafter.config.block_size  # context 0..n-1, anchor at n
+    th = torch.randn(1, n, drafter.fc.in_features)
+    x = torch.randn(1, bs, drafter.config.hidden_size)
+    blk = torch.arange(n, n + bs)
+    with torch.no_grad():
+        cache = DrafterCache()
+        drafter(x, th[:, :12], torch.cat([torch.arange(12), torch.arange(12, 12 + bs)])[None],
+                cache=cache)
+        cached = drafter(x, th[:, 12:], torch.cat([torch.arange(12, n), blk])[None], cache=cache)
+        uncached = drafter(x, th, torch.cat([torch.arange(n), blk])[None])
+        sliced = drafter(x, th[:, n - WINDOW:], torch.cat([torch.arange(n - WINDOW, n), blk])[None])
+        no_window = DFlashDrafter(dataclasses.replace(drafter.config, sliding_window=None))
+        no_window.load_state_dict(drafter.state_dict())
+        full = no_window(x, th, torch.cat([torch.arange(n), blk])[None])
+    torch.testing.assert_close(cached, sliced, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(uncached, sliced, atol=1e-5, rtol=1e-5)
+    assert (full - sliced).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("window", [0, -3, 3, 2.5, True])
+def test_bad_window_is_a_config_error(window):
+    with pytest.raises(ValueError, match=rf"sliding_window={window!r}: must be an integer >= block_size=4"):
+        random_setup(0, window=window)
 
 
 def test_blocks_do_not_see_each_other():

@@ -160,8 +160,12 @@ def test_eos_stops_every_method(target, drafter, prompts):
         assert r.tokens == ref.tokens
 
 
-def test_offline_streak_matches_online_chain(target, drafter, prompts):
-    """Teacher-forced streak at each anchor the online decode visited == drafts it accepted."""
+@pytest.mark.parametrize("window", [None, 6])
+def test_offline_streak_matches_online_chain(target, prompts, window):
+    """Teacher-forced streak at each anchor the online decode visited == drafts it accepted,
+    also with a sliding window (training's masks vs the cached inference call)."""
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(drafter_cfg(sliding_window=window)).eval()
     p = prompts[0]
     cont = target_greedy(target, p, 40).tokens
     online = chain_generate(target, drafter, p, 40)

@@ -99,13 +99,15 @@ def test_checkpoint_holds_drafters_and_optimizer_not_target(tmp_path, data):
     assert ck["dflash"]["target"]["hidden_size"] == 64
 
 
-@pytest.mark.parametrize("exp", ["v3_composite", "v4_5layer", "v5_hardce", "multi_drafter"])
+@pytest.mark.parametrize("exp", ["v3_composite", "v4_5layer", "v5_hardce", "v6_muon",
+                                 "multi_drafter"])
 def test_experiments_compose_and_run(tmp_path, data, exp):
     train, val = data
     ov = base_overrides(tmp_path, train, val) + [f"experiment={exp}", "debug=fast_dev_run"]
     _, cfg = run_train(ov, tmp_path / exp)
-    if exp in ("v3_composite", "v5_hardce"):
+    if exp in ("v3_composite", "v5_hardce", "v6_muon"):
         assert cfg.drafter.drop_last_context_layers == 1
+    assert cfg.optim.name == ("muon" if exp == "v6_muon" else "adamw")
     if exp == "v4_5layer":
         assert cfg.drafter.drop_last_context_layers == 0 and cfg.loss.name == "composite"
         assert cfg.schedule.noise.peak == 0.01  # (anchors.max=1024 is overridden by the test)

@@ -12,6 +12,7 @@ A training checkpoint is a Lightning checkpoint (written atomically by
     {"version": CKPT_VERSION,
      "drafters": {name: {"config": DFlashConfig.to_dict(), "loss": {...}}},
      "target": {"path" | "build", "layer_ids", "hidden_size", "num_layers", "vocab_size"},
+     "optimizer": "adamw" | "muon",
      "nonfinite_total": int, "tokens_seen": int, "nonfinite_in_row": int}
 
 Training writes it (``DFlashModule.on_save_checkpoint``) and refuses to resume from one made by
@@ -47,12 +48,14 @@ _TARGET_FIELDS = ("hidden_size", "num_layers", "vocab_size")
 
 
 def make_meta(drafters: dict[str, tuple[dict[str, Any], dict[str, Any]]],
-              target: dict[str, Any], **counters: int) -> dict[str, Any]:
-    """The ``dflash`` entry: ``drafters`` maps name -> (DFlashConfig dict, loss settings)."""
+              target: dict[str, Any], optimizer: str = "adamw", **counters: int) -> dict[str, Any]:
+    """The ``dflash`` entry: ``drafters`` maps name -> (DFlashConfig dict, loss settings);
+    ``optimizer`` is ``optim.name`` (its state's layout differs between adamw and muon)."""
     return {
         "version": CKPT_VERSION,
         "drafters": {n: {"config": dict(c), "loss": dict(loss)} for n, (c, loss) in drafters.items()},
         "target": dict(target),
+        "optimizer": optimizer,
         **{k: int(v) for k, v in counters.items()},
     }
 
@@ -76,6 +79,10 @@ def check_matches(ckpt: dict[str, Any], current: dict[str, Any], source: str) ->
                     f"{source}: drafter {name!r} has {f}={a.get(f)} in the checkpoint but "
                     f"{b.get(f)} in the config; resume with the same drafter shape"
                 )
+    oa, ob = meta.get("optimizer", "adamw"), current.get("optimizer", "adamw")
+    if oa != ob:  # checkpoints older than optim=muon have no entry: they are AdamW ones
+        raise UserError(f"{source}: trained with optim={oa}, the config has optim={ob}; resume "
+                        "with the same optimizer")
     ta, tb = meta.get("target", {}), current.get("target", {})
     for f in _TARGET_FIELDS:
         if f in ta and f in tb and ta[f] != tb[f]:

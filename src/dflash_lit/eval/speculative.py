@@ -4,7 +4,8 @@ State between steps: ``tokens`` = prompt + committed output. The last committed 
 been through the target yet (it is the previous step's bonus), so the target cache holds
 positions 0 .. n-2 and the drafter's cache holds the context features of those same positions.
 Each step drafts from the block ``[tokens[-1], m, ..., m]`` anchored at position n-1 (the
-drafter sees context < n-1, docs/ARCHITECTURE.md §2), verifies in one target forward and commits the
+drafter sees context < n-1, only [n-1-w, n-1) with a sliding window w: the drafter's unmasked
+cached call applies it; docs/ARCHITECTURE.md §2), verifies in one target forward and commits the
 accepted drafts plus the target's bonus token. The per-step acceptance length
 τ = tokens committed by the step = accepted drafts + 1 (≤ Bs); the first output token comes
 from the prefill and belongs to no step, so ``sum(τ) + 1 == len(tokens)``.

@@ -47,6 +47,16 @@ def serve_readme(drafter: DFlashDrafter, out_dir: Path, info: DrafterInfo) -> st
             "after the final norm). Serving engines capture the *input* of layer id+1, which does "
             "not exist for it: this drafter will not reproduce its training features there.\n"
         )
+    if c.sliding_window is not None:
+        # vLLM and z-lab's loader read is_causal: false; SGLang keeps sliding layers causal
+        warn += (
+            f"\n> **Sliding window:** each block sees the {c.sliding_window} context tokens "
+            "before its anchor (`sliding_window`, all `layer_types` sliding, `is_causal: false`). "
+            "Engines apply it per query position and count the query itself (HF windows), so "
+            f"slot k sees the newest {c.sliding_window} - 1 - k of them (the speculators "
+            "trainer's convention too). SGLang makes sliding layers causal within the block, "
+            "unlike training: serve this drafter with vLLM.\n"
+        )
     src = f"{info.path}" + (f" (drafter `{info.name}`)" if info.name else "")
     t = info.target
     arch = "".join([

@@ -26,7 +26,7 @@ def draft_hidden(
     """
     b, n, bs = layout.block_ids.shape
     noise_emb = embed(layout.block_ids.flatten(1)).to(target_hidden.dtype)
-    mask = build_mask(layout, backend, compile=compile_mask)
+    mask = build_mask(layout, backend, compile=compile_mask, window=drafter.config.sliding_window)
     h = drafter(
         noise_embedding=noise_emb,
         target_hidden=target_hidden,

@@ -42,6 +42,7 @@ class DFlashConfig:
     rope_theta: float = 1_000_000.0  # RoPE base
     max_position_embeddings: int = 32768  # recorded for serving engines
     attention_bias: bool = False  # bias on q/k/v/o projections (Qwen3: False)
+    sliding_window: int | None = None  # a block anchored at a sees context [a - w, a); None = all
 
     def __post_init__(self) -> None:
         if not self.target_layer_ids:
@@ -82,11 +83,19 @@ class DFlashConfig:
             )
         if self.num_hidden_layers < 1:
             raise ValueError(f"num_hidden_layers={self.num_hidden_layers}: need at least 1 layer")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < self.block_size):
+            # serving engines window each query, bidirectionally: a window narrower than the
+            # block would hide block keys there that training lets every slot see
+            raise ValueError(
+                f"sliding_window={w!r}: must be an integer >= block_size={self.block_size} "
+                "(context keys a block sees before its anchor), or null for the whole context"
+            )
 
     # ------------------------------------------------------------------ z-lab config.json
     def to_zlab_dict(self) -> dict[str, Any]:
         """The z-lab / vLLM / SGLang `config.json` content (docs/ARCHITECTURE.md §3)."""
-        return {
+        d = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
@@ -110,6 +119,16 @@ class DFlashConfig:
                 "target_layer_ids": list(self.target_layer_ids),
             },
         }
+        if self.sliding_window is not None:
+            # How vLLM, SGLang and z-lab's loader read a window: HF Qwen3's sliding_window +
+            # use_sliding_window (without it HF drops the window) and layer_types. They make
+            # a sliding layer causal within the block unless told otherwise; ours is
+            # bidirectional: is_causal (z-lab, vLLM) and dflash_config.causal (vLLM) say so
+            # (SGLang has no such switch: its sliding layers stay causal).
+            d.update(use_sliding_window=True, sliding_window=self.sliding_window,
+                     layer_types=["sliding_attention"] * self.num_hidden_layers, is_causal=False)
+            d["dflash_config"]["causal"] = False
+        return d
 
     @classmethod
     def from_zlab_dict(cls, d: dict[str, Any]) -> DFlashConfig:
@@ -136,9 +155,37 @@ class DFlashConfig:
                 rope_theta=float(rope_theta),
                 max_position_embeddings=d.get("max_position_embeddings", 32768),
                 attention_bias=d.get("attention_bias", False),
+                sliding_window=read_sliding_window(d),
             )
         except KeyError as e:
             raise ValueError(f"drafter config.json is missing required field {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def read_sliding_window(d: dict[str, Any]) -> int | None:
+    """The context window of a z-lab-style ``config.json`` (None: full attention).
+
+    Accepted: every layer sliding (``layer_types``, or vLLM's ``dflash_config.use_swa``) and
+    bidirectional within the block (``is_causal`` / ``dflash_config.causal`` false; vLLM and
+    z-lab default a ``layer_types`` sliding layer to causal). Anything else this drafter cannot
+    run the way the checkpoint was trained: a ValueError says which.
+    """
+    dc = d.get("dflash_config") or {}
+    types = d.get("layer_types")
+    kinds = set(types or [])
+    if len(kinds) > 1 or not kinds <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"layer_types={types}: mixed or unknown layer types; this drafter "
+                         "supports all full_attention or all sliding_attention layers")
+    if kinds != {"sliding_attention"} and not (types is None and dc.get("use_swa")):
+        return None
+    causal = d.get("is_causal", dc.get("causal", types is not None))
+    if causal:
+        raise ValueError("sliding-window layers causal within the block (is_causal / "
+                         "dflash_config.causal not false) are not supported: this drafter "
+                         "attends bidirectionally within a block")
+    window = dc.get("swa_window_size", d.get("sliding_window"))
+    if window is None:
+        raise ValueError("sliding-window layers without a size: set sliding_window")
+    return int(window)

@@ -89,6 +89,7 @@ class DFlashAttention(nn.Module):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.window = cfg.sliding_window
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(d, self.n_heads * hd, bias=bias)
         self.k_proj = nn.Linear(d, self.n_kv * hd, bias=bias)
@@ -131,6 +132,10 @@ class DFlashAttention(nn.Module):
             cache.keys[layer_idx], cache.values[layer_idx] = k_ctx, v_ctx
             k = torch.cat([k_ctx, k[:, :, c_len:]], dim=2)
             v = torch.cat([v_ctx, v[:, :, c_len:]], dim=2)
+        if attn_mask is None and self.window is not None:
+            # unmasked = one block right after its context (inference, the reference): the
+            # window is the last `window` context keys, followed by the block's own keys
+            k, v = k[:, :, -(q_len + self.window):], v[:, :, -(q_len + self.window):]
         out = attend(q, k, v, attn_mask)
         out = out.transpose(1, 2).reshape(b, q_len, self.n_heads * self.head_dim)
         return self.o_proj(out)
@@ -172,9 +177,11 @@ class DFlashDrafter(nn.Module):
     ``target_hidden`` is the concatenation of the K captured target layers (fc input, where
     training noise is added); ``position_ids`` holds the absolute positions of the c context
     tokens followed by those of the q block tokens. Without ``attention_mask`` every block
-    query sees all c context keys and all q block keys. For batched training pass a dense
-    boolean mask [B, 1, q, c+q] (True = attend), a flex ``BlockMask`` or a ``BlockwiseMask``. Returns the
-    final-normed hidden states [B, q, d]; apply the target's ``lm_head`` for logits.
+    query sees all q block keys and all c context keys (with ``sliding_window`` set, the last
+    ``sliding_window`` of them, cached ones included: the block's anchor follows its context).
+    For batched training pass a dense boolean mask [B, 1, q, c+q] (True = attend), a flex
+    ``BlockMask`` or a ``BlockwiseMask``, built with the window. Returns the final-normed
+    hidden states [B, q, d]; apply the target's ``lm_head`` for logits.
     """
 
     def __init__(self, config: DFlashConfig) -> None:

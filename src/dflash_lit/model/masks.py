@@ -2,8 +2,9 @@
 
 Visibility (docs/ARCHITECTURE.md §2): a block anchored at a sees real context keys at positions < a
 (strictly: the anchor has not been through the target at inference) and every key of its own
-block (bidirectional). Nothing else. Invalid (padding) blocks see only their own block, so no
-query row is fully masked (SDPA would return NaN for it).
+block (bidirectional). Nothing else. With a sliding ``window`` (``drafter.sliding_window``)
+only the context keys at positions >= a - window. Invalid (padding) blocks see only their own
+block, so no query row is fully masked (SDPA would return NaN for it).
 """
 
 from __future__ import annotations
@@ -16,15 +17,24 @@ from torch import Tensor
 from dflash_lit.model.layout import BlockLayout
 
 
-def dense_mask(layout: BlockLayout) -> Tensor:
+def context_visible(layout: BlockLayout, window: int | None = None) -> Tensor:
+    """Bool [B, Q, S]: the real context keys each query sees, positions [a - window, a) of its
+    block's anchor a (all of [0, a) when ``window`` is None)."""
+    kv_pos = torch.arange(layout.context_len, device=layout.anchors.device)[None, None, :]
+    q_anchor = layout.query_anchor()[:, :, None]  # [B, Q, 1]
+    visible = (kv_pos < q_anchor) & layout.context_valid[:, None, :]
+    if window is not None:
+        visible &= kv_pos >= q_anchor - window
+    return visible
+
+
+def dense_mask(layout: BlockLayout, window: int | None = None) -> Tensor:
     """Bool [B, 1, Q, S+Q], True = attend. Memory is O(Q·(S+Q)): the CPU training path."""
-    b, s = layout.context_valid.shape
+    b = layout.context_valid.shape[0]
     bs = layout.block_size
     q = layout.num_blocks * bs
     dev = layout.anchors.device
-    q_anchor = layout.query_anchor()  # [B, Q]
-    kv_pos = torch.arange(s, device=dev)
-    ctx = (kv_pos[None, None, :] < q_anchor[:, :, None]) & layout.context_valid[:, None, :]
+    ctx = context_visible(layout, window)
     qb = torch.arange(q, device=dev) // bs
     blk = (qb[:, None] == qb[None, :]).expand(b, q, q)
     return torch.cat([ctx, blk], dim=2)[:, None]
@@ -46,20 +56,20 @@ class BlockwiseMask:
         return self.context.shape[-1]
 
 
-def blockwise_mask(layout: BlockLayout) -> BlockwiseMask:
+def blockwise_mask(layout: BlockLayout, window: int | None = None) -> BlockwiseMask:
     """Factored mask: O(Q·S) memory instead of the dense O(Q·(S+Q)). Trains on CPU."""
-    s = layout.context_len
-    kv_pos = torch.arange(s, device=layout.anchors.device)
-    ctx = (kv_pos[None, None, :] < layout.query_anchor()[:, :, None]) & layout.context_valid[:, None, :]
-    return BlockwiseMask(context=ctx[:, None], block_size=layout.block_size)
+    return BlockwiseMask(context=context_visible(layout, window)[:, None],
+                         block_size=layout.block_size)
 
 
-def flex_block_mask(layout: BlockLayout, compile: bool = False, block: int = 128):
+def flex_block_mask(layout: BlockLayout, compile: bool = False, block: int = 128,
+                    window: int | None = None):
     """flex_attention ``BlockMask`` (one mask for all heads: ``H=None``).
 
     Block-sparse: tiles wholly outside a block's visible context are skipped, so cost scales
-    with N·Bs·(mean visible context) rather than Q·(S+Q). Pass ``compile=True`` on GPU so the
-    dense [Q, KV] mask is never materialised while building it.
+    with N·Bs·(mean visible context) rather than Q·(S+Q) (with a ``window``, about
+    N·Bs·window at most, up to tile edges). Pass ``compile=True`` on GPU so the dense [Q, KV]
+    mask is never materialised while building it.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -73,6 +83,8 @@ def flex_block_mask(layout: BlockLayout, compile: bool = False, block: int = 128
         is_ctx = kv_idx < s
         kv_c = torch.clamp(kv_idx, max=s - 1)
         ctx_ok = (kv_idx < q_anchor[bi, q_idx]) & ctx_valid[bi, kv_c]
+        if window is not None:
+            ctx_ok = ctx_ok & (kv_idx >= q_anchor[bi, q_idx] - window)
         blk_ok = (kv_idx - s) // bs == q_idx // bs
         return torch.where(is_ctx, ctx_ok, blk_ok)
 
@@ -80,14 +92,15 @@ def flex_block_mask(layout: BlockLayout, compile: bool = False, block: int = 128
     return fn(mask_mod, b, None, q, s + q, device=layout.anchors.device, BLOCK_SIZE=block)
 
 
-def build_mask(layout: BlockLayout, backend: str, compile: bool = False):
+def build_mask(layout: BlockLayout, backend: str, compile: bool = False,
+               window: int | None = None):
     """``backend``: ``blockwise`` (factored, trains on CPU), ``dense`` (bool mask + SDPA, any
-    device) or ``flex`` (block-sparse, GPU training)."""
+    device) or ``flex`` (block-sparse, GPU training); ``window``: the drafter's sliding window."""
     if backend == "blockwise":
-        return blockwise_mask(layout)
+        return blockwise_mask(layout, window)
     if backend == "dense":
-        return dense_mask(layout)
+        return dense_mask(layout, window)
     if backend == "flex":
-        return flex_block_mask(layout, compile=compile)
+        return flex_block_mask(layout, compile=compile, window=window)
     raise ValueError(f"attention backend {backend!r} unknown: use 'blockwise', 'dense' or 'flex'")
 

@@ -2,8 +2,9 @@
 
 - The target lives *outside* the module tree (not a submodule), so it is never in
   ``state_dict``, a checkpoint, or the optimizer; it is moved to the device in ``setup``.
-- One AdamW with a param group per drafter: automatic optimization, so ``global_step``
-  counts batches (manual optimization with K optimizers would count K per batch).
+- One optimizer (AdamW, or Muon + AdamW as one ``train/optim.py`` object) with param groups
+  per drafter: automatic optimization, so ``global_step`` counts batches (manual
+  optimization with K optimizers would count K per batch).
 - Everything random per step (anchors, noise) derives from (seed, global_step, rank, drafter),
   so an exact resume needs no saved RNG state.
 """
@@ -28,9 +29,10 @@ from dflash_lit.train.anchors import fixed_anchors, sample_anchors, step_generat
 from dflash_lit.train.linear_ce import fused_dpace, fused_hard_ce
 from dflash_lit.train.losses import DPaceLoss, HardCELoss, build_loss, resolve_argmax_labels
 from dflash_lit.train.metrics import DrafterMetrics, accuracy, streak
+from dflash_lit.train.optim import MUON_SUFFIX, build_optimizer, group_drafter
 from dflash_lit.train.plateau import PlateauDiagnostics, plateau_message
 from dflash_lit.train.schedules import lr_factor, max_anchors_at, noise_sigma
-from dflash_lit.train.spec import DrafterSpec
+from dflash_lit.train.spec import DrafterSpec, MuonSettings
 
 
 def _seed_int(*parts: Any) -> int:
@@ -61,6 +63,7 @@ class DFlashModule(L.LightningModule):
         min_lr_ratio: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        muon: MuonSettings | None = None,
         attention: str = "dense",
         compile_mask: bool = False,
         seed: int = 0,
@@ -86,6 +89,7 @@ class DFlashModule(L.LightningModule):
         self.total_steps = int(total_steps)
         self.warmup_frac, self.min_lr_ratio = warmup_frac, min_lr_ratio
         self.betas, self.eps = tuple(betas), eps
+        self.muon = muon  # None: AdamW on everything (optim=adamw)
         self.attention, self.compile_mask = attention, compile_mask
         self.seed = int(seed)
         self.val_max_anchors = val_max_anchors
@@ -392,12 +396,7 @@ class DFlashModule(L.LightningModule):
                 self.plateau_warnings.pop(name, None)
 
     def configure_optimizers(self):
-        groups = [
-            {"params": list(self.drafters[n].parameters()), "lr": s.lr,
-             "weight_decay": s.weight_decay, "name": n}
-            for n, s in self.specs.items()
-        ]
-        opt = torch.optim.AdamW(groups, betas=self.betas, eps=self.eps)
+        opt = build_optimizer(self.drafters, self.specs, self.betas, self.eps, self.muon)
         total, warm, floor = self.total_steps, self.warmup_frac, self.min_lr_ratio
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: lr_factor(step, total, warm, floor)
@@ -405,17 +404,22 @@ class DFlashModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Per-drafter gradient clipping and norm logging (grads are unscaled here)."""
+        """Per-drafter gradient clipping and norm logging (grads are unscaled here): one norm
+        over all of a drafter's groups (with optim=muon, its Muon and its AdamW group)."""
+        groups: dict[str, list[dict]] = {}
         for group in optimizer.param_groups:
-            name = group["name"]
+            groups.setdefault(group_drafter(group), []).append(group)
+        for name, gs in groups.items():
             clip = self.specs[name].grad_clip
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for g in gs for p in g["params"] if p.grad is not None]
             if not params:
                 continue
             max_norm = clip if clip and clip > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             self.log(f"train/{name}/grad_norm", norm.detach().float(), on_step=True)
-            self.log(f"train/{name}/lr", float(group["lr"]), on_step=True)
+            for g in gs:  # the drafter's lr (AdamW group) and, with optim=muon, Muon's
+                key = "muon_lr" if g["name"].endswith(MUON_SUFFIX) else "lr"
+                self.log(f"train/{name}/{key}", float(g["lr"]), on_step=True)
             if clip and clip > 0:
                 self.log(f"train/{name}/clipped", float(norm > clip), on_step=True)
 
@@ -424,7 +428,7 @@ class DFlashModule(L.LightningModule):
         """This run's ``checkpoint["dflash"]`` entry (``dflash_lit/checkpoint.py``)."""
         return ckpt_contract.make_meta(
             {n: (s.model.to_dict(), s.loss) for n, s in self.specs.items()}, self.target_info,
-            nonfinite_total=self.nonfinite_total, tokens_seen=self.tokens_seen,
+            optimizer="adamw" if self.muon is None else "muon", nonfinite_total=self.nonfinite_total, tokens_seen=self.tokens_seen,
             nonfinite_in_row=self.nonfinite_in_row,
         )
 

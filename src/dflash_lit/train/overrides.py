@@ -2,8 +2,9 @@
 
 A drafter entry overrides the ``drafter``, ``loss``, ``schedule`` and ``optim`` groups for
 that drafter. Per drafter the run reads the whole drafter shape, loss and schedule, but only
-``lr``, ``weight_decay`` and ``grad_clip`` of ``optim``: the AdamW betas/eps and the LR
-schedule (``warmup_frac``, ``min_lr_ratio``) are one for the run.
+``lr``, ``weight_decay`` and ``grad_clip`` of ``optim``: the optimizer (``name``), its
+betas/eps and ``muon_*`` settings and the LR schedule (``warmup_frac``, ``min_lr_ratio``) are
+one for the run.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def check_overrides(name: str, over: Any) -> None:
     for key in optim:
         if key in GLOBAL_OPTIM:
             raise UserError(
-                f"{where}.optim.{key}: one value for the whole run, not per drafter (one AdamW "
+                f"{where}.optim.{key}: one value for the whole run, not per drafter (one optimizer "
                 f"and one LR schedule); set optim.{key} instead, or drop it here")
     check_values(optim, DRAFTER_OPTIM, f"{where}.optim")
     check_values(over.get("drafter", {}), DRAFTER_KEYS, f"{where}.drafter")

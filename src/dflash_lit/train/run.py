@@ -34,6 +34,7 @@ from dflash_lit.train.feature_cache import (
 from dflash_lit.train.losses import build_loss
 from dflash_lit.train.module import DFlashModule
 from dflash_lit.train.resume import resolve_ckpt_path
+from dflash_lit.train.spec import muon_settings
 from dflash_lit.train.validate import check_config
 
 
@@ -101,6 +102,7 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
         min_lr_ratio=float(cfg.optim.min_lr_ratio),
         betas=tuple(cfg.optim.betas),
         eps=float(cfg.optim.eps),
+        muon=muon_settings(OmegaConf.to_container(cfg.optim, resolve=True)),  # None: adamw
         attention=str(cfg.attention),  # auto: chosen per batch shape by the module
         compile_mask=bool(_auto(cfg.compile_mask, True, False)),
         seed=int(cfg.seed),

@@ -2,12 +2,14 @@
 
 ``conf/train.yaml`` holds the defaults in the ``drafter``, ``loss`` and ``schedule`` groups;
 ``drafters:`` maps names to per-drafter overrides merged on top, so a sweep of ``loss.gamma``
-moves every drafter that does not pin its own value.
+moves every drafter that does not pin its own value. ``MuonSettings`` (``optim=muon``) is one
+for the run; it lives here, free of torch, so the config checks can read its fields.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,30 @@ class AnchorSpec:
     max: int = 512
     start: int | None = None
     ramp_frac: float = 0.0
+
+
+OPTIMIZERS = ("adamw", "muon")  # optim.name
+ADJUST_LR_FNS = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn values
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    """``optim=muon``'s run-wide Muon knobs: conf/optim/muon.yaml's ``muon_<field>`` keys."""
+
+    lr_scale: float = 1.0  # Muon lr = the drafter's lr x this
+    weight_decay: float = 0.1  # decoupled weight decay of the Muon matrices
+    momentum: float = 0.95  # momentum of the orthogonalised update
+    nesterov: bool = True  # Nesterov momentum
+    ns_steps: int = 5  # Newton-Schulz iterations
+    adjust_lr_fn: str = "match_rms_adamw"  # per-shape lr scaling (torch.optim.Muon)
+
+
+def muon_settings(optim: Mapping[str, Any]) -> MuonSettings | None:
+    """The ``optim`` group's ``muon_*`` keys as MuonSettings; None unless ``optim.name=muon``."""
+    if optim.get("name", "adamw") != "muon":
+        return None
+    return MuonSettings(**{k.removeprefix("muon_"): v for k, v in optim.items()
+                           if k.startswith("muon_")})
 
 
 @dataclass

@@ -13,9 +13,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lit.config_types import check_values, hints_of
 from dflash_lit.errors import UserError
+from dflash_lit.train.spec import ADJUST_LR_FNS, OPTIMIZERS, MuonSettings, muon_settings
 
-# optim: keys read once for the whole run (one AdamW, one LR schedule) ...
-GLOBAL_OPTIM = {"betas": list, "eps": float, "warmup_frac": float, "min_lr_ratio": float}
+# optim.muon_<field>: the MuonSettings fields (read only with optim=muon)
+MUON_OPTIM = {f"muon_{k}": v for k, v in hints_of(MuonSettings).items()}
+# optim: keys read once for the whole run (one optimizer, one LR schedule) ...
+GLOBAL_OPTIM = {"name": str, "betas": list, "eps": float, "warmup_frac": float,
+                "min_lr_ratio": float, **MUON_OPTIM}
 # ... and keys each drafter may override (its own param group and clip).
 DRAFTER_OPTIM = {"lr": float, "weight_decay": float, "grad_clip": float}
 # Keys the datamodule receives from build_run, not from data.*.
@@ -40,6 +44,7 @@ def check_optim(cfg: DictConfig) -> None:
     """``optim.*``: known keys, types, ranges."""
     optim = _container(cfg, "optim")
     check_values(optim, {**GLOBAL_OPTIM, **DRAFTER_OPTIM}, "optim")
+    check_muon(cfg, optim)
     if "lr" in optim:
         _range("optim.lr", optim["lr"], 0, lo_open=True)
     for key in ("weight_decay", "grad_clip", "eps"):
@@ -52,6 +57,31 @@ def check_optim(cfg: DictConfig) -> None:
     if betas is not None and (len(betas) != 2 or not all(
             isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
         raise UserError(f"optim.betas={betas!r}: give two numbers in [0, 1), e.g. [0.9, 0.95]")
+
+
+def check_muon(cfg: DictConfig, optim: dict[str, Any]) -> None:
+    """``optim.name`` and, for ``optim=muon``, the ``muon_*`` ranges and the strategy."""
+    name = optim.get("name", "adamw")
+    if name not in OPTIMIZERS:
+        raise UserError(f"optim.name={name!r}: use one of {list(OPTIMIZERS)} (optim=adamw | optim=muon)")
+    if name != "muon":
+        extra = [k for k in optim if k in MUON_OPTIM]
+        if extra:
+            raise UserError(f"optim.{extra[0]}: read only with optim=muon (optim.name={name})")
+        return
+    muon = muon_settings(optim)
+    _range("optim.muon_lr_scale", muon.lr_scale, 0, lo_open=True)
+    _range("optim.muon_weight_decay", muon.weight_decay, 0)
+    _range("optim.muon_ns_steps", muon.ns_steps, 1, 99)  # torch's Muon: fewer than 100
+    if not 0 <= muon.momentum < 1:  # 1 would keep the momentum buffer at zero: no update
+        raise UserError(f"optim.muon_momentum={muon.momentum!r}: must be in [0, 1)")
+    fn = muon.adjust_lr_fn
+    if fn not in ADJUST_LR_FNS:
+        raise UserError(f"optim.muon_adjust_lr_fn={fn!r}: use one of {list(ADJUST_LR_FNS)}")
+    if "fsdp" in str(OmegaConf.select(cfg, "trainer.strategy")).lower():
+        # FSDP flattens and shards the matrices; Muon orthogonalises whole 2-D matrices
+        raise UserError("optim=muon: not with an FSDP trainer.strategy (it shards each matrix; "
+                        "Muon needs whole 2-D matrices); use trainer=ddp or trainer=gpu")
 
 
 def check_data(cfg: DictConfig) -> None:
