@@ -438,8 +438,36 @@ def _resolve_labels(source: str, labels: Tensor, target_logits: Tensor | None) -
 
 
 # --------------------------------------------------------------------------- configured callables
+class _HardLabelLoss:
+    """What every loss on hard labels shares: labels from ``labels`` (data / target_argmax),
+    the target's argmax ids suffice (a feature cache stores them); subclasses define
+    ``with_labels``."""
+
+    labels: LabelSource
+    needs_target_distribution = False
+    needs_full_distribution = False
+
+    @property
+    def needs_target_logits(self) -> bool:
+        """Whether the module must compute the target's logits (here: for their argmax)."""
+        return self.labels == "target_argmax"
+
+    @property
+    def label_source(self) -> str:
+        return self.labels
+
+    def with_labels(self, logits: Tensor, labels: Tensor,
+                    target_logits: Tensor | None = None) -> LossOutput:
+        raise NotImplementedError
+
+    def __call__(
+        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
+    ) -> LossOutput:
+        return self.with_labels(logits, _resolve_labels(self.labels, labels, target_logits))
+
+
 @dataclass(frozen=True)
-class HardCELoss:
+class HardCELoss(_HardLabelLoss):
     """``hard_ce`` configured: position-weighted CE against ``labels`` (data / target_argmax)."""
 
     gamma: float | None = 7.0
@@ -448,23 +476,6 @@ class HardCELoss:
     def __post_init__(self) -> None:
         _check_label_source(self.labels)
         _check_gamma(self.gamma)
-
-    @property
-    def needs_target_logits(self) -> bool:
-        """Whether the module must compute the target's logits (here: for their argmax)."""
-        return self.labels == "target_argmax"
-
-    needs_target_distribution = False  # the argmax ids suffice (a feature cache stores them)
-    needs_full_distribution = False
-
-    @property
-    def label_source(self) -> str:
-        return self.labels
-
-    def __call__(
-        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
-    ) -> LossOutput:
-        return hard_ce_loss(logits, _resolve_labels(self.labels, labels, target_logits), self.gamma)
 
     def with_labels(self, logits: Tensor, labels: Tensor,
                     target_logits: Tensor | None = None) -> LossOutput:
@@ -528,7 +539,7 @@ class CompositeLoss:
 
 
 @dataclass(frozen=True)
-class DPaceLoss:
+class DPaceLoss(_HardLabelLoss):
     """``dpace`` configured: CE against ``labels`` weighted by D-PACE (times ``w_γ`` if set)."""
 
     alpha: float = 0.5
@@ -540,23 +551,6 @@ class DPaceLoss:
         _check_label_source(self.labels)
         _check_dpace_args(self.alpha, self.normalize)
         _check_gamma(self.gamma)
-
-    @property
-    def needs_target_logits(self) -> bool:
-        """Whether the module must compute the target's logits (here: for their argmax)."""
-        return self.labels == "target_argmax"
-
-    needs_target_distribution = False  # the argmax ids suffice (a feature cache stores them)
-    needs_full_distribution = False
-
-    @property
-    def label_source(self) -> str:
-        return self.labels
-
-    def __call__(
-        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
-    ) -> LossOutput:
-        return self.with_labels(logits, _resolve_labels(self.labels, labels, target_logits))
 
     def with_labels(self, logits: Tensor, labels: Tensor,
                     target_logits: Tensor | None = None) -> LossOutput:
