@@ -438,19 +438,11 @@ def _resolve_labels(source: str, labels: Tensor, target_logits: Tensor | None) -
 
 
 # --------------------------------------------------------------------------- configured callables
-class _HardLabelLoss:
-    """What every loss on hard labels shares: labels from ``labels`` (data / target_argmax),
-    the target's argmax ids suffice (a feature cache stores them); subclasses define
-    ``with_labels``."""
+class _LabelledLoss:
+    """What every configured loss shares: its CE labels come from ``labels`` (data /
+    target_argmax), resolved before ``with_labels`` (which subclasses define) runs."""
 
     labels: LabelSource
-    needs_target_distribution = False
-    needs_full_distribution = False
-
-    @property
-    def needs_target_logits(self) -> bool:
-        """Whether the module must compute the target's logits (here: for their argmax)."""
-        return self.labels == "target_argmax"
 
     @property
     def label_source(self) -> str:
@@ -463,7 +455,20 @@ class _HardLabelLoss:
     def __call__(
         self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
     ) -> LossOutput:
-        return self.with_labels(logits, _resolve_labels(self.labels, labels, target_logits))
+        return self.with_labels(logits, _resolve_labels(self.labels, labels, target_logits),
+                                target_logits)
+
+
+class _HardLabelLoss(_LabelledLoss):
+    """Losses on hard labels only: the target's argmax ids suffice (a feature cache stores them)."""
+
+    needs_target_distribution = False
+    needs_full_distribution = False
+
+    @property
+    def needs_target_logits(self) -> bool:
+        """Whether the module must compute the target's logits (here: for their argmax)."""
+        return self.labels == "target_argmax"
 
 
 @dataclass(frozen=True)
@@ -484,7 +489,7 @@ class HardCELoss(_HardLabelLoss):
 
 
 @dataclass(frozen=True)
-class CompositeLoss:
+class CompositeLoss(_LabelledLoss):
     """``composite`` configured (v3): KL(target‖draft, T)·T²·kl_weight + CE·ce_weight."""
 
     gamma: float | None = 10.0
@@ -507,16 +512,6 @@ class CompositeLoss:
 
     needs_target_distribution = True  # the KL term: full logits online, top-k from a cache
     needs_full_distribution = False
-
-    @property
-    def label_source(self) -> str:
-        return self.labels
-
-    def __call__(
-        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
-    ) -> LossOutput:
-        return self.with_labels(logits, _resolve_labels(self.labels, labels, target_logits),
-                                target_logits)
 
     def with_labels(self, logits: Tensor, labels: Tensor,
                     target_logits: Tensor | None = None) -> LossOutput:
@@ -559,7 +554,7 @@ class DPaceLoss(_HardLabelLoss):
 
 
 @dataclass(frozen=True)
-class DistillLoss:
+class DistillLoss(_LabelledLoss):
     """``distill`` configured: ``div_weight·T²·D(target, draft) + ce_weight·CE`` per slot,
     D = ``divergence`` (forward_kl | reverse_kl | jsd | tv)."""
 
@@ -584,16 +579,6 @@ class DistillLoss:
     def needs_full_distribution(self) -> bool:
         """reverse KL is infinite wherever the draft has mass outside a cached top-k."""
         return self.divergence == "reverse_kl"
-
-    @property
-    def label_source(self) -> str:
-        return self.labels
-
-    def __call__(
-        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
-    ) -> LossOutput:
-        return self.with_labels(logits, _resolve_labels(self.labels, labels, target_logits),
-                                target_logits)
 
     def with_labels(self, logits: Tensor, labels: Tensor,
                     target_logits: Tensor | None = None) -> LossOutput:
