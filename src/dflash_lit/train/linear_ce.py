@@ -131,12 +131,7 @@ def fused_hard_ce(
     loss, ce, pred_v = linear_cross_entropy(
         hidden[valid], weight, labels[valid], w_norm, chunk_rows, compute_dtype
     )
-    per_slot = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)
-    per_slot[valid] = ce
-    pred = torch.full(valid.shape, IGNORE, dtype=torch.long, device=hidden.device)
-    pred[valid] = pred_v
-    return LossOutput(loss=loss, per_slot_ce=per_slot, weight_sum=weight_sum.detach(),
-                      n_valid=valid.sum()), pred
+    return _outputs(valid, loss, ce, pred_v, weight_sum)
 
 
 def fused_dpace(
@@ -166,9 +161,15 @@ def fused_dpace(
     loss, ce, pred_v = linear_cross_entropy(
         hidden[valid], weight, labels[valid], weigh, chunk_rows, compute_dtype
     )
-    per_slot = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)
+    return _outputs(valid, loss, ce, pred_v, den["d"])
+
+
+def _outputs(valid: Tensor, loss: Tensor, ce: Tensor, pred_v: Tensor,
+             weight_sum: Tensor) -> tuple[LossOutput, Tensor]:
+    """The fused losses' returns: per-slot CE and argmax put back on the [B, N, Bs] grid."""
+    per_slot = torch.zeros(valid.shape, dtype=torch.float32, device=ce.device)
     per_slot[valid] = ce
-    pred = torch.full(valid.shape, IGNORE, dtype=torch.long, device=hidden.device)
+    pred = torch.full(valid.shape, IGNORE, dtype=torch.long, device=ce.device)
     pred[valid] = pred_v
-    return LossOutput(loss=loss, per_slot_ce=per_slot, weight_sum=den["d"].detach(),
+    return LossOutput(loss=loss, per_slot_ce=per_slot, weight_sum=weight_sum.detach(),
                       n_valid=valid.sum()), pred
