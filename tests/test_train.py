@@ -14,6 +14,7 @@ import torch
 from train_utils import (
     REPO,
     base_overrides,
+    compose_train,
     drafter_state,
     make_shards,
     run_train,
@@ -320,3 +321,21 @@ def test_train_window_metrics_after_a_resume_equal_the_straight_run(tmp_path, da
     for k, v in sa["state_dict"].items():
         if k.startswith("train_metrics."):
             assert torch.equal(v, sb["state_dict"][k]), k
+
+
+def test_train_vocab_reduces_the_training_softmax_only(tmp_path, data):
+    """train_vocab=<whole vocab> trains bit-identically to the full softmax; a small one gives
+    a lower first-step CE (fewer classes, same init) while validation keeps the full vocab."""
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + ["trainer.max_steps=2"]
+    vocab = int(compose_train(ov, tmp_path / "c").target.build.vocab_size)
+    runs = {}
+    for name, k in (("full", "null"), ("all", str(vocab)), ("small", "32")):
+        run_train(ov + [f"train_vocab={k}"], tmp_path / name)
+        runs[name] = _metrics(tmp_path / name)
+    losses = {n: [float(r["train/main/loss"]) for r in m if r.get("train/main/loss")]
+              for n, m in runs.items()}
+    assert losses["all"] == losses["full"]
+    assert losses["small"][0] < losses["full"][0]
+    with pytest.raises(UserError, match="train_vocab"):
+        run_train(ov + ["train_vocab=32", "loss=composite"], tmp_path / "bad")

@@ -108,6 +108,16 @@ def linear_cross_entropy(
     return _LinearCE.apply(hidden, weight, labels, w, int(chunk_rows), cd)
 
 
+def restrict_vocab(weight: Tensor, labels: Tensor, vocab: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows of ``weight`` for ``vocab`` ∪ the valid labels' ids, ``labels`` renumbered into
+    them, and those ids (sorted): a softmax over a reduced vocab that never drops a label."""
+    valid = valid_mask(labels)
+    ids = torch.unique(torch.cat([vocab.to(labels.device), labels[valid]]))
+    sub = torch.full_like(labels, IGNORE)  # slot 0 and ignored slots: no label
+    sub[valid] = torch.searchsorted(ids, labels[valid])
+    return weight[ids], sub, ids
+
+
 def fused_hard_ce(
     hidden: Tensor,
     weight: Tensor,

@@ -23,10 +23,15 @@ from dflash_lit import checkpoint as ckpt_contract
 from dflash_lit.compat import check_compatible
 from dflash_lit.model.block_forward import draft_hidden
 from dflash_lit.model.drafter import DFlashDrafter
-from dflash_lit.model.layout import build_layout, gather_target_argmax, gather_target_logits
+from dflash_lit.model.layout import (
+    IGNORE,
+    build_layout,
+    gather_target_argmax,
+    gather_target_logits,
+)
 from dflash_lit.model.target import FrozenTarget, TargetOutput
 from dflash_lit.train.anchors import fixed_anchors, sample_anchors, step_generator
-from dflash_lit.train.linear_ce import fused_dpace, fused_hard_ce
+from dflash_lit.train.linear_ce import fused_dpace, fused_hard_ce, restrict_vocab
 from dflash_lit.train.losses import DPaceLoss, HardCELoss, build_loss, resolve_argmax_labels
 from dflash_lit.train.metrics import DrafterMetrics, accuracy, streak
 from dflash_lit.train.optim import MUON_SUFFIX, build_optimizer, group_drafter
@@ -73,6 +78,7 @@ class DFlashModule(L.LightningModule):
         target_info: dict[str, Any] | None = None,
         head_dtype: torch.dtype | None = None,
         loss_chunk_rows: int = 2048,
+        train_vocab: Tensor | None = None,
     ) -> None:
         super().__init__()
         if not specs:
@@ -115,6 +121,15 @@ class DFlashModule(L.LightningModule):
         # chunk_rows slots at a time
         self.head_dtype = head_dtype
         self.loss_chunk_rows = int(loss_chunk_rows)
+        # training softmax of the fused losses over these ids ∪ each batch's labels (None =
+        # the full vocab); validation and drafting always use the full vocab
+        if train_vocab is not None:
+            unfused = [n for n, lo in self.losses.items() if not isinstance(lo, (HardCELoss, DPaceLoss))]
+            if unfused:
+                raise ValueError(f"train_vocab: drafters {unfused} use a loss that needs the full "
+                                 "distribution (only hard_ce and dpace run on a reduced vocab); "
+                                 "set train_vocab=null")
+        self.train_vocab = train_vocab
         bs = {s.name: s.model.block_size for s in specs}
         self.train_metrics = nn.ModuleDict({n: DrafterMetrics(bs[n]) for n in names})
         self.val_metrics = nn.ModuleDict(
@@ -223,9 +238,17 @@ class DFlashModule(L.LightningModule):
         """(LossOutput, argmax ids) of a CE loss run fused with the frozen lm_head."""
         weight = self._target.lm_head.weight
         h, rows, dt = hidden.to(weight.dtype), self.loss_chunk_rows, self.head_dtype
+        ids = None
+        if self.training and self.train_vocab is not None:
+            weight, labels, ids = restrict_vocab(weight, labels, self.train_vocab)
         if isinstance(loss, DPaceLoss):
-            return fused_dpace(h, weight, labels, loss.alpha, loss.gamma, loss.normalize, rows, dt)
-        return fused_hard_ce(h, weight, labels, loss.gamma, rows, dt)
+            out = fused_dpace(h, weight, labels, loss.alpha, loss.gamma, loss.normalize, rows, dt)
+        else:
+            out = fused_hard_ce(h, weight, labels, loss.gamma, rows, dt)
+        if ids is None:
+            return out
+        loss_out, pred = out  # argmax ids back from the reduced vocab's numbering
+        return loss_out, torch.where(pred == IGNORE, pred, ids[pred.clamp_min(0)])
 
     def _target_forward(self, batch) -> TargetOutput:
         """The target's captured layers and greedy ids: from the batch when the features are

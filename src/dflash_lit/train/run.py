@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lit.atomic import remove_stale_temporaries
 from dflash_lit.checkpoint import check_matches
+from dflash_lit.data.frequent_tokens import frequent_tokens
 from dflash_lit.data.vocab import check_data_tokenizer
 from dflash_lit.errors import input_checks
 from dflash_lit.precision import head_dtype
@@ -86,6 +87,9 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
     check_data_tokenizer({"data.path": cfg.data.get("path"), "data.val_path": cfg.data.get("val_path")},
                          cfg.target.get("path"))
     total = total_training_steps(cfg, dm)
+    train_vocab = None  # counted before features attach: the rows' tokens only
+    if cfg.get("train_vocab") is not None:
+        train_vocab = frequent_tokens(dm.train_dataset, int(cfg.train_vocab), info["vocab_size"])
     capture = capture_layer_ids(specs)
     if check_features_config(cfg.features) == "cache":
         need_dist = cache_needs_distribution({s.name: build_loss(**s.loss) for s in specs})
@@ -112,6 +116,7 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
         target_info=info,
         head_dtype=head_dtype(str(cfg.trainer.get("precision", "32-true"))),
         loss_chunk_rows=int(cfg.loss_chunk_rows),
+        train_vocab=train_vocab,
     )
     return module, dm, total
 
