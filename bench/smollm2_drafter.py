@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=40, help="HumanEval prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--train-overrides", nargs="*", default=[])
-    ap.add_argument("--data-limit", type=int, default=512, help="train prompts if data is regenerated")
+    ap.add_argument("--data-limit", type=int, default=1536, help="train prompts if data is regenerated")
     args = ap.parse_args()
 
     from dflash_lit.targets import smollm2
@@ -90,7 +90,8 @@ def main() -> None:
     smollm2.build()
     if not (REPO / "artifacts" / "smollm2" / "data" / "train" / "summary.json").is_file():
         run([sys.executable, "-m", "dflash_lit.targets.smollm2", "data", "--limit",
-             str(args.data_limit), "--val-limit", "40", "--max-new-tokens", "128"])
+             str(args.data_limit), "--val-limit", "40", "--max-new-tokens", "128",
+             "--batch-size", "64"])
 
     wall = None
     run_dir = args.run_dir

@@ -555,6 +555,12 @@ def test_kill_and_rerun(toy, tmp_path, server_factory):
     assert summary["prompts"]["done_before"] == 2 and summary["prompts"]["generated"] == 4
     assert not list(out.glob(".*.tmp*"))
     assert len(healthy.bodies) == 4  # only the missing ids were requested
+    assert [r["generated"] for r in summary["runs"]] == [4]  # the killed run wrote no summary
+    # a rerun with nothing left keeps the record of the runs that generated
+    again = run(make_cfg(target__path=str(toy["plain"]), sources=[{"path": str(path), "name": "p"}],
+                         out=str(out), backend="openai", openai__base_url=healthy.url,
+                         openai__model="toy", rows_per_shard=2))
+    assert again["prompts"]["generated"] == 0 and again["runs"] == summary["runs"]
     tok = toy["tok"]
     done_prompts = {tuple(tok(PROMPTS[int(i[2:]) - 1])["input_ids"]) for i in first}
     assert not done_prompts & {tuple(b["prompt"]) for b in healthy.bodies}

@@ -370,6 +370,28 @@ def run(cfg: Any) -> dict[str, Any]:
     return summary
 
 
+def _run_history(path: Path, generated: int, gen_tokens: int, generation_s: float,
+                 status: str) -> list[dict]:
+    """Every run that added rows to ``out``: the previous summary's list plus this run (a
+    resume that finds nothing left to do adds nothing), so no run's throughput is lost."""
+    runs: list[dict] = []
+    if path.is_file():
+        try:
+            prev = json.loads(path.read_text())
+        except (OSError, ValueError):
+            prev = {}
+        runs = list(prev.get("runs") or [])
+        if not runs and prev.get("prompts", {}).get("generated"):  # written before the history
+            runs = [{"generated": prev["prompts"]["generated"],
+                     "gen_tokens": prev.get("tokens", {}).get("generated_this_run"),
+                     "gen_tokens_per_s": prev.get("throughput", {}).get("gen_tokens_per_s"),
+                     "status": prev.get("status")}]
+    if generated:
+        runs.append({"generated": generated, "gen_tokens": gen_tokens,
+                     "gen_tokens_per_s": gen_tokens / generation_s, "status": status})
+    return runs
+
+
 def _summary(out, status, target, backend_name, sources, load_stats, mix_stats, per_source,
              selected, generated, gen_tokens, t_start, t_gen, backend_stats, writer) -> dict:
     elapsed_gen = max(time.time() - t_gen, 1e-9)
@@ -410,6 +432,8 @@ def _summary(out, status, target, backend_name, sources, load_stats, mix_stats, 
             "gen_tokens_per_s": gen_tokens / elapsed_gen if generated else 0.0,
         },
         "dataset": {k: v for k, v in ds.items() if k != "rows_per_source"},
+        "runs": _run_history(Path(out) / "summary.json", generated, gen_tokens,
+                             elapsed_gen, status),
         "per_source": sources_out,
         "backend_stats": backend_stats,
         "shards_written_this_run": [p.name for p in writer.written],
