@@ -1,11 +1,20 @@
-"""Quality table on the embedded default at an equal training budget: v3_composite,
-v4_5layer, v5_hardce and γ ∈ {4, 7, 10} (multi_drafter: three drafters, one target forward).
-Offline val acc/streak from each run's CSV; τ on HumanEval (chain, DDTree b=8, n-gram
-baseline) through evaluate.py. Slow (about 12 min of training per run on 2 CPU cores, plus
-evaluation): run it, then copy its table into docs/BENCHMARKS.md.
+"""Recipe ranking on the embedded default at an equal training budget, over several seeds.
 
-    python bench/quality.py [--limit 40] [--max-new-tokens 128] [--runs v3_composite ...]
-    python bench/quality.py --from-dirs v5_hardce=outputs/v5_hardce/<ts> ...   # reuse runs
+Recipes: v3_composite, v4_5layer, v5_hardce, v6_dpace, v6_muon, and the γ sweep
+(multi_drafter: v5 drafters with γ = 4, 7, 10 off one target forward). Each recipe trains once
+per seed with the default budget (`budget=tiny`, plus ``--train-overrides``), then each of its
+drafters is evaluated with real greedy speculative decoding (chain, DDTree-16 and the n-gram
+baseline, lossless checked) on HumanEval and on the held-out default prompts. The table gives
+mean ± standard deviation over the seeds of the final val streak and of every τ, and each
+recipe's chain τ relative to v5's.
+
+Every run lives in ``outputs/bench_quality/<recipe>_seed<s>/``, and a finished step is never
+redone. A run that has ``done.json`` is not retrained. A killed run resumes from its
+``last.ckpt``. An evaluation whose ``report.json`` exists is read back. So the whole grid
+(18 runs of ~12 min on 2 CPU cores, plus evaluation) can run in pieces across sessions.
+
+    python bench/quality.py [--recipes v5_hardce v6_dpace ...] [--seeds 0 1 2] [--limit 40]
+    python bench/quality.py --table-only      # aggregate what has finished so far
 """
 
 from __future__ import annotations
@@ -13,25 +22,25 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from common import REPO, fmt_table, write_result
 
-RUNS = {"v3_composite": ["main"], "v4_5layer": ["main"], "v5_hardce": ["main"],
-        "multi_drafter": ["gamma4", "gamma7", "gamma10"]}
-
-
-def newest_run(name: str) -> Path:
-    runs = sorted((REPO / "outputs" / name).glob("20*/checkpoints/last.ckpt"))  # not multirun_*
-    if not runs:
-        raise SystemExit(f"no finished run under outputs/{name}/")
-    return runs[-1].parent.parent
+# recipe -> its drafters' names (multi_drafter trains three off one target forward)
+RECIPES = {"v3_composite": ["main"], "v4_5layer": ["main"], "v5_hardce": ["main"],
+           "v6_dpace": ["main"], "v6_muon": ["main"],
+           "multi_drafter": ["gamma4", "gamma7", "gamma10"]}
+PROMPT_SETS = {"humaneval": "he", "tiny_heldout": "ho"}
+TREE_BUDGET = 16
+ROOT = REPO / "outputs" / "bench_quality"
 
 
 def last_val(run_dir: Path, drafter: str) -> dict[str, float]:
-    """Final validation acc/streak/loss of ``drafter`` from the run's CSV (and any it resumed)."""
+    """Final validation acc/streak/loss of ``drafter`` from the run's CSV."""
     vals: dict[str, float] = {}
     with open(run_dir / "csv" / "metrics.csv", newline="") as f:
         for row in csv.DictReader(f):
@@ -42,49 +51,116 @@ def last_val(run_dir: Path, drafter: str) -> dict[str, float]:
     return vals
 
 
-def evaluate(run_dir: Path, drafter: str, limit: int, max_new: int) -> dict:
-    out = run_dir / "eval" / f"humaneval_{drafter}"
-    cmd = [sys.executable, str(REPO / "evaluate.py"), f"ckpt={run_dir / 'checkpoints/last.ckpt'}",
-           f"drafter={drafter}", "prompts=humaneval", f"limit={limit}",
-           f"max_new_tokens={max_new}", "budgets=[8]", "methods=[chain,tree,ngram]",
-           "progress=false", f"out={out}"]
+def train(recipe: str, seed: int, overrides: list[str]) -> Path:
+    """Train (or resume, or skip) one recipe at one seed; returns its run directory."""
+    run_dir = ROOT / f"{recipe}_seed{seed}"
+    if (run_dir / "done.json").is_file():
+        return run_dir
+    cmd = [sys.executable, str(REPO / "train.py"), f"experiment={recipe}", f"seed={seed}",
+           *overrides, f"hydra.run.dir={run_dir}"]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if last.is_file():  # a killed run: continue it exactly
+        cmd.append(f"ckpt_path={last}")
+    t0 = time.time()
     subprocess.run(cmd, check=True, cwd=REPO)
+    (run_dir / "done.json").write_text(json.dumps({"wall_s": time.time() - t0,
+                                                   "overrides": overrides}) + "\n")
+    return run_dir
+
+
+def evaluate(run_dir: Path, drafter: str, prompts: str, limit: int, max_new: int) -> dict:
+    """Real speculative decoding of one drafter on one prompt set (read back if done)."""
+    out = run_dir / "eval" / f"{prompts}_{drafter}"
+    if not (out / "report.json").is_file():
+        cmd = [sys.executable, str(REPO / "evaluate.py"),
+               f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}", f"drafter={drafter}",
+               f"prompts={prompts}", f"limit={limit}", f"max_new_tokens={max_new}",
+               f"budgets=[{TREE_BUDGET}]", "methods=[chain,tree,ngram]", "progress=false",
+               f"out={out}"]
+        subprocess.run(cmd, check=True, cwd=REPO)
     return json.loads((out / "report.json").read_text())
 
 
+def run_row(recipe: str, drafter: str, seed: int, run_dir: Path, limit: int, max_new: int,
+            evaluate_missing: bool = True) -> dict | None:
+    """One (recipe, drafter, seed): val metrics and τ on every prompt set, or None when an
+    evaluation is missing and ``evaluate_missing`` is off."""
+    row = {"recipe": recipe if drafter == "main" else f"{recipe}/{drafter}", "seed": seed,
+           **{f"val_{k}": v for k, v in last_val(run_dir, drafter).items()}}
+    for prompts, tag in PROMPT_SETS.items():
+        if not evaluate_missing and not (run_dir / "eval" / f"{prompts}_{drafter}" /
+                                         "report.json").is_file():
+            return None
+        rep = evaluate(run_dir, drafter, prompts, limit, max_new)
+        row[f"{tag}_chain"] = rep["tau_chain"]
+        row[f"{tag}_tree{TREE_BUDGET}"] = rep["tau_tree"].get(str(TREE_BUDGET))
+        row[f"{tag}_ngram"] = rep["tau_ngram"]
+        row[f"{tag}_lossless"] = rep["lossless"]
+    return row
+
+
+def mean_sd(xs: list[float]) -> str:
+    if len(xs) == 1:
+        return f"{xs[0]:.2f}"
+    return f"{statistics.mean(xs):.2f} ± {statistics.stdev(xs):.2f}"
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Mean ± sample standard deviation over seeds, per recipe (and drafter)."""
+    cols = ["val_streak", *(f"{t}_{m}" for t in PROMPT_SETS.values()
+                            for m in ("chain", f"tree{TREE_BUDGET}", "ngram"))]
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["recipe"], []).append(r)
+    ref = by.get("v5_hardce")
+    out = []
+    for recipe, rs in by.items():
+        agg = {"recipe": recipe, "seeds": len(rs)}
+        for c in cols:
+            agg[c] = mean_sd([r[c] for r in rs if r.get(c) is not None])
+        agg["lossless"] = all(r[f"{t}_lossless"] for r in rs for t in PROMPT_SETS.values())
+        if ref:  # chain τ relative to v5's mean, per prompt set
+            for t in PROMPT_SETS.values():
+                base = statistics.mean(r[f"{t}_chain"] for r in ref)
+                agg[f"{t}_chain_vs_v5"] = mean_sd([r[f"{t}_chain"] / base for r in rs])
+        out.append(agg)
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--runs", nargs="+", default=list(RUNS))
-    ap.add_argument("--from-dirs", nargs="*", default=[], help="NAME=RUN_DIR: skip training")
-    ap.add_argument("--limit", type=int, default=40)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--limit", type=int, default=40, help="prompts per prompt set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--train-overrides", nargs="*", default=[])
+    ap.add_argument("--table-only", action="store_true",
+                    help="no training or evaluation: aggregate the finished runs")
     args = ap.parse_args()
-    given = dict(kv.split("=", 1) for kv in args.from_dirs)
     rows = []
-    for name in args.runs:
-        if name in given:
-            run_dir = Path(given[name]).resolve()
-        else:
-            subprocess.run([sys.executable, str(REPO / "train.py"), f"experiment={name}",
-                            *args.train_overrides], check=True, cwd=REPO)
-            run_dir = newest_run(name)
-        for drafter in RUNS[name]:
-            rep = evaluate(run_dir, drafter, args.limit, args.max_new_tokens)
-            val = last_val(run_dir, drafter)
-            rows.append({
-                "recipe": name if drafter == "main" else f"{name}/{drafter}",
-                "val_acc": val.get("acc"), "val_streak": val.get("streak"),
-                "tau_chain": rep["tau_chain"], "tau_tree_b8": rep["tau_tree"].get("8"),
-                "tau_ngram": rep["tau_ngram"], "lossless": rep["lossless"],
-                "run_dir": str(run_dir.relative_to(REPO)),
-            })
-            print(rows[-1], flush=True)
-    budget = " ".join(args.train_overrides) or "budget=tiny (2 epochs)"
-    table = fmt_table(rows) + (f"\n\nHumanEval: first {args.limit} prompts, "
-                               f"max_new_tokens={args.max_new_tokens}; equal budget for every "
-                               f"recipe: {budget}, same data")
-    write_result("quality", {"rows": rows, "limit": args.limit,
+    for recipe in args.recipes:
+        for seed in args.seeds:
+            run_dir = ROOT / f"{recipe}_seed{seed}"
+            if args.table_only and not (run_dir / "done.json").is_file():
+                continue
+            if not args.table_only:
+                run_dir = train(recipe, seed, args.train_overrides)
+            for drafter in RECIPES[recipe]:
+                row = run_row(recipe, drafter, seed, run_dir, args.limit, args.max_new_tokens,
+                              evaluate_missing=not args.table_only)
+                if row is not None:
+                    rows.append(row)
+                    print(row, flush=True)
+    if not rows:
+        raise SystemExit(f"no finished run under {ROOT.relative_to(REPO)}/")
+    agg = aggregate(rows)
+    budget = " ".join(args.train_overrides) or "budget=tiny (the default)"
+    table = fmt_table(agg) + (
+        f"\n\nmean ± sd over seeds; he = HumanEval, ho = held-out default prompts (first "
+        f"{args.limit} each, max_new_tokens={args.max_new_tokens}); chain, DDTree-{TREE_BUDGET}"
+        f" and n-gram τ from evaluate.py; equal budget for every recipe: {budget}")
+    write_result("quality", {"rows": rows, "aggregate": agg, "limit": args.limit,
                              "max_new_tokens": args.max_new_tokens}, table)
 
 

@@ -1,0 +1,42 @@
+"""bench/quality.py's aggregation over seeds: mean ± sample standard deviation per recipe and
+chain τ relative to v5's mean, on hand-computed numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+from train_utils import REPO
+
+
+@pytest.fixture(scope="module")
+def quality():
+    sys.path.insert(0, str(REPO / "bench"))  # its `common` helper module
+    spec = importlib.util.spec_from_file_location("quality", REPO / "bench" / "quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.path.remove(str(REPO / "bench"))
+
+
+def _row(recipe, seed, streak, chain, tree, ngram):
+    r = {"recipe": recipe, "seed": seed, "val_streak": streak}
+    for t in ("he", "ho"):
+        r.update({f"{t}_chain": chain, f"{t}_tree16": tree, f"{t}_ngram": ngram,
+                  f"{t}_lossless": True})
+    return r
+
+
+def test_mean_sd_over_seeds_and_ratio_to_v5(quality):
+    rows = [_row("v5_hardce", 0, 10.0, 4.0, 5.0, 2.0), _row("v5_hardce", 1, 12.0, 6.0, 7.0, 2.0),
+            _row("v3_composite", 0, 8.0, 2.5, 3.0, 2.0), _row("v3_composite", 1, 8.0, 3.5, 4.0, 2.0)]
+    agg = {a["recipe"]: a for a in quality.aggregate(rows)}
+    v5, v3 = agg["v5_hardce"], agg["v3_composite"]
+    assert v5["seeds"] == 2 and v5["val_streak"] == "11.00 ± 1.41"  # stdev of (10, 12)
+    assert v5["he_chain"] == "5.00 ± 1.41" and v5["ho_ngram"] == "2.00 ± 0.00"
+    assert v5["he_chain_vs_v5"] == "1.00 ± 0.28"  # 4/5, 6/5
+    assert v3["he_chain_vs_v5"] == "0.60 ± 0.14"  # 2.5/5, 3.5/5
+    assert v3["lossless"] is True
+    rows[0]["ho_lossless"] = False
+    assert quality.aggregate(rows)[0]["lossless"] is False
