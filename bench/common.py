@@ -100,6 +100,24 @@ def compose_train(overrides: Sequence[str]):
     return cfg
 
 
+def drafter_step_parts(cfg: Any, batch: int, seq: int, prompt_len: int, min_id: int):
+    """A seeded drafter of shape ``cfg``, frozen random embed_tokens / lm_head of its vocab, and
+    ``batch`` random rows of ``seq`` tokens (ids >= ``min_id``) whose first ``prompt_len`` are
+    prompt: (drafter, embed, lm_head, ids, loss_mask, attention_mask)."""
+    from dflash_lit import DFlashDrafter
+
+    v, d = cfg.vocab_size, cfg.hidden_size
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    embed = torch.nn.Embedding(v, d).requires_grad_(False)
+    lm_head = torch.nn.Linear(d, v, bias=False).requires_grad_(False)
+    ids = torch.randint(min_id, v, (batch, seq))
+    lm = torch.ones(batch, seq, dtype=torch.long)
+    lm[:, :prompt_len] = 0
+    am = torch.ones(batch, seq, dtype=torch.long)
+    return drafter, embed, lm_head, ids, lm, am
+
+
 def fmt_table(rows: list[dict[str, Any]], cols: Sequence[str] | None = None) -> str:
     """A markdown table of ``rows`` (floats to 4 significant digits)."""
     if not rows:

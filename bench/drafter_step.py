@@ -28,9 +28,9 @@ import subprocess
 import sys
 
 import torch
-from common import fmt_table, median_time, peaks, write_result
+from common import drafter_step_parts, fmt_table, median_time, peaks, write_result
 
-from dflash_lit import DFlashConfig, DFlashDrafter
+from dflash_lit import DFlashConfig
 from dflash_lit.model.block_forward import draft_hidden
 from dflash_lit.model.layout import build_layout, gather_target_argmax, gather_target_logits
 from dflash_lit.train.anchors import sample_anchors, step_generator
@@ -56,14 +56,7 @@ def setup(n_anchors: int):
     cfg = DFlashConfig(hidden_size=D, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                        intermediate_size=768, num_hidden_layers=1, block_size=BS, mask_token_id=1,
                        num_target_layers=8, target_layer_ids=[1, 2, 4, 5], vocab_size=V)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg)
-    embed = torch.nn.Embedding(V, D).requires_grad_(False)
-    lm_head = torch.nn.Linear(D, V, bias=False).requires_grad_(False)
-    ids = torch.randint(4, V, (B, S))
-    lm = torch.ones(B, S, dtype=torch.long)
-    lm[:, : S // 8] = 0
-    am = torch.ones(B, S, dtype=torch.long)
+    drafter, embed, lm_head, ids, lm, am = drafter_step_parts(cfg, B, S, S // 8, min_id=4)
     th = torch.randn(B, S, K * D)
     target_logits = torch.randn(B, S, V)
     anchors, valid = sample_anchors(lm, n_anchors, step_generator(0, 0, 0, "bench"), am)

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import torch
-from common import fmt_table, median_time, peaks, write_result
+from common import REPO, drafter_step_parts, fmt_table, median_time, peaks, write_result
 
-from dflash_lit import DFlashConfig, DFlashDrafter
+from dflash_lit import DFlashConfig
+from dflash_lit.data.frequent_tokens import frequent_tokens
 from dflash_lit.model.block_forward import draft_hidden
 from dflash_lit.model.layout import build_layout, gather_target_argmax
 from dflash_lit.train.anchors import sample_anchors, step_generator
@@ -43,14 +45,8 @@ def main() -> None:
                        intermediate_size=1536, num_hidden_layers=1, block_size=BS,
                        mask_token_id=7, num_target_layers=30, target_layer_ids=[1, 8, 14, 21],
                        vocab_size=V, rope_theta=1e5)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg)
-    embed = torch.nn.Embedding(V, D).requires_grad_(False)
-    lm_head = torch.nn.Linear(D, V, bias=False).requires_grad_(False)
-    ids = torch.randint(20, V, (B, S))
-    lm = torch.ones(B, S, dtype=torch.long)
-    lm[:, : S // 2] = 0  # chat prompt, then the completion
-    am = torch.ones(B, S, dtype=torch.long)
+    # a chat prompt (half of each row), then the completion
+    drafter, embed, lm_head, ids, lm, am = drafter_step_parts(cfg, B, S, S // 2, min_id=20)
     th = torch.randn(B, S, K * D)
     argmax = torch.randint(20, V, (B, S))
     anchors, valid = sample_anchors(lm, ANCHORS, step_generator(0, 0, 0, "bench"), am)
@@ -84,11 +80,49 @@ def main() -> None:
                      "ms_per_slot": 1e3 * t / n_slots})
         print(rows[-1], flush=True)
     pk = peaks()
+    cover = data_coverage(args.vocab)
     table = fmt_table(rows, ["softmax over", "rows", "step_s", "speedup", "ms_per_slot"])
     table += (f"\n\n{n_slots} drafted slots a step (7 rows x 16 anchors x 15 slots, valid ones); "
               f"threads {args.threads}; fp32 matmul peak (same run) {pk['fp32_gflops']:.1f} GFLOP/s")
+    if cover:
+        table += (f"\n\nshipped SmolLM2 data: {cover['distinct']} distinct train completion tokens; "
+                  "share of val completion tokens inside the train top-K: "
+                  + ", ".join(f"K={k}: {c:.3f}" for k, c in cover["val_in_top_k"].items()))
     write_result("train_vocab", {"peaks": pk, "threads": args.threads, "slots": n_slots,
-                                 "rows": rows}, table)
+                                 "rows": rows, "coverage": cover}, table)
+
+
+class _Rows(list):
+    """Shard rows as the dataset interface ``frequent_tokens`` reads."""
+
+    def __getitems__(self, idx):
+        return [self[i] for i in idx]
+
+
+def _completions(split: str) -> _Rows:
+    import pyarrow.parquet as pq
+
+    rows = _Rows()
+    for f in sorted((REPO / "artifacts" / "smollm2" / "data" / split).glob("*.parquet")):
+        t = pq.read_table(f, columns=["input_ids", "loss_mask"]).to_pylist()
+        rows.extend(t)
+    return rows
+
+
+def data_coverage(ks: list[int]) -> dict | None:
+    """Distinct completion tokens of the shipped train split, and how much of the val split's
+    completions the train top-K (``frequent_tokens``, as training ranks them) covers."""
+    train, val = _completions("train"), _completions("val")
+    if not train or not val:
+        return None
+    def completion_ids(rows: _Rows) -> np.ndarray:
+        return np.concatenate([np.asarray(r["input_ids"])[np.asarray(r["loss_mask"]) > 0]
+                               for r in rows])
+
+    ids = completion_ids(val)
+    distinct = int(np.unique(completion_ids(train)).size)
+    cover = {k: float(np.isin(ids, frequent_tokens(train, k, V).numpy()).mean()) for k in ks}
+    return {"distinct": distinct, "val_in_top_k": cover}
 
 
 if __name__ == "__main__":

@@ -325,7 +325,8 @@ def test_train_window_metrics_after_a_resume_equal_the_straight_run(tmp_path, da
 
 def test_train_vocab_reduces_the_training_softmax_only(tmp_path, data):
     """train_vocab=<whole vocab> trains bit-identically to the full softmax; a small one gives
-    a lower first-step CE (fewer classes, same init) while validation keeps the full vocab."""
+    a lower first-step CE (fewer classes, same init); a loss that needs the full distribution
+    refuses it."""
     train, val = data
     ov = base_overrides(tmp_path, train, val) + ["trainer.max_steps=2"]
     vocab = int(compose_train(ov, tmp_path / "c").target.build.vocab_size)

@@ -23,8 +23,9 @@ def frequent_tokens(dataset, k: int, vocab_size: int, max_rows: int = MAX_ROWS) 
     counts = np.zeros(vocab_size, dtype=np.int64)
     n = min(len(dataset), max_rows)
     for s in range(0, n, 256):
-        for row in dataset.__getitems__(list(range(s, min(s + 256, n)))):
-            ids = np.asarray(row["input_ids"])[np.asarray(row["loss_mask"]) > 0]
-            counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
+        rows = dataset.__getitems__(list(range(s, min(s + 256, n))))
+        ids = np.concatenate([np.asarray(r["input_ids"])[np.asarray(r["loss_mask"]) > 0]
+                              for r in rows])
+        counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
     order = np.lexsort((np.arange(vocab_size), -counts))  # count desc, then id asc
     return torch.from_numpy(np.sort(order[:k]))

@@ -112,7 +112,7 @@ def restrict_vocab(weight: Tensor, labels: Tensor, vocab: Tensor) -> tuple[Tenso
     """The rows of ``weight`` for ``vocab`` ∪ the valid labels' ids, ``labels`` renumbered into
     them, and those ids (sorted): a softmax over a reduced vocab that never drops a label."""
     valid = valid_mask(labels)
-    ids = torch.unique(torch.cat([vocab.to(labels.device), labels[valid]]))
+    ids = torch.unique(torch.cat([vocab, labels[valid]]))
     sub = torch.full_like(labels, IGNORE)  # slot 0 and ignored slots: no label
     sub[valid] = torch.searchsorted(ids, labels[valid])
     return weight[ids], sub, ids

@@ -46,6 +46,7 @@ def _seed_int(*parts: Any) -> int:
 
 
 BLOCKWISE_MIN_RATIO = 3  # CPU auto attention: blockwise once Q >= 3 * S
+FUSED_LOSSES = (HardCELoss, DPaceLoss)  # run fused with the frozen lm_head (linear_ce)
 
 
 def _init_drafter(spec: DrafterSpec, seed: int) -> DFlashDrafter:
@@ -124,12 +125,13 @@ class DFlashModule(L.LightningModule):
         # training softmax of the fused losses over these ids ∪ each batch's labels (None =
         # the full vocab); validation and drafting always use the full vocab
         if train_vocab is not None:
-            unfused = [n for n, lo in self.losses.items() if not isinstance(lo, (HardCELoss, DPaceLoss))]
+            unfused = [n for n, lo in self.losses.items() if not isinstance(lo, FUSED_LOSSES)]
             if unfused:
                 raise ValueError(f"train_vocab: drafters {unfused} use a loss that needs the full "
                                  "distribution (only hard_ce and dpace run on a reduced vocab); "
                                  "set train_vocab=null")
-        self.train_vocab = train_vocab
+        # derived from the data at every start: follows the module's device, never saved
+        self.register_buffer("train_vocab", train_vocab, persistent=False)
         bs = {s.name: s.model.block_size for s in specs}
         self.train_metrics = nn.ModuleDict({n: DrafterMetrics(bs[n]) for n in names})
         self.val_metrics = nn.ModuleDict(
@@ -227,7 +229,7 @@ class DFlashModule(L.LightningModule):
     def _head_loss(self, name, layout, hidden, out, need_logits: bool):
         """(logits or argmax ids, LossOutput) of the drafter's hidden states."""
         loss = self.losses[name]
-        if isinstance(loss, (HardCELoss, DPaceLoss)) and not need_logits:
+        if isinstance(loss, FUSED_LOSSES) and not need_logits:
             loss_out, pred = self._fused_ce(loss, hidden, layout.labels)
             return pred, layout, loss_out
         logits = self._target.lm_head(hidden.to(self._target.dtype))
