@@ -88,6 +88,37 @@ def test_blockwise_gradients_equal_dense(window):
         torch.testing.assert_close(gb, gd, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_cpu_blockwise_kernel_equals_dense_sdpa(dtype):
+    """The CPU blockwise kernel (flash over the context, block part merged by log-sum-exp,
+    split-KV backward) equals SDPA over the dense mask and the explicit-score path, forward
+    and every input gradient: GQA, padding blocks that see no context, a sliding window."""
+    from dflash_lit.model.attention import _blockwise_scores, blockwise_attention
+    from dflash_lit.model.masks import blockwise_mask
+
+    *_, layout, _, _, _ = random_setup(5, max_anchors=8, window=WINDOW)
+    b, q_len, s = layout.anchors.shape[0], layout.num_blocks * layout.block_size, layout.context_len
+    mask = blockwise_mask(layout, WINDOW)
+    assert (~mask.context.any(-1)).any()  # some queries see no context key at all
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, 4, q_len, 8, generator=g, dtype=dtype).requires_grad_(True)
+    k = torch.randn(b, 2, s + q_len, 8, generator=g, dtype=dtype).requires_grad_(True)
+    v = torch.randn(b, 2, s + q_len, 8, generator=g, dtype=dtype).requires_grad_(True)
+    grad_out = torch.randn(b, 4, q_len, 8, generator=g, dtype=dtype)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense_mask(layout, WINDOW), enable_gqa=True)
+    rep = lambda t: t.repeat_interleave(2, dim=1)  # noqa: E731
+    outs = {"fused": blockwise_attention(q, k, v, mask),
+            "scores": _blockwise_scores(q, rep(k), rep(v), mask), "dense": dense}
+    grads = {n: torch.autograd.grad(o, (q, k, v), grad_out) for n, o in outs.items()}
+    # float64: exact to rounding against SDPA; the explicit path softmaxes in float32
+    tight = {"atol": 1e-10, "rtol": 1e-10} if dtype == torch.float64 else {}
+    for name, tol in (("dense", tight), ("scores", {"atol": 2e-6, "rtol": 1e-5})):
+        torch.testing.assert_close(outs["fused"], outs[name], **tol)
+        for got, ref in zip(grads["fused"], grads[name], strict=True):
+            torch.testing.assert_close(got, ref, **tol)
+
+
 def test_blockwise_memory_is_linear_in_blocks():
     """The factored mask stores Q·S booleans, the dense one Q·(S+Q)."""
     from dflash_lit.model.masks import blockwise_mask
@@ -215,19 +246,18 @@ def test_labels_ignore_prompt_padding_and_end():
     assert lay.position_ids().tolist() == [[0, 1, 2, 3, 4, 5, 1, 2, 3, 4, 4, 5, 6, 7]]
 
 
-def test_auto_attention_picks_blockwise_only_for_many_blocks_per_context():
-    """attention=auto on CPU: dense below 3 block tokens per context token, blockwise above."""
+def test_auto_attention_picks_blockwise_on_cpu_and_flex_on_cuda():
+    """attention=auto: the blockwise path on CPU (any shape), flex for CUDA tensors; an
+    explicit choice is kept."""
     from types import SimpleNamespace
 
     from dflash_lit.train.module import DFlashModule
 
-    def layout(s: int, n: int):
-        ids = torch.randint(4, 50, (1, s))
-        anchors = torch.arange(1, n + 1)[None]
-        return build_layout(ids, torch.ones_like(ids), anchors, torch.ones_like(anchors).bool(),
-                            8, 1)
-
+    ids = torch.randint(4, 50, (1, 64))
+    anchors = torch.arange(1, 9)[None]
+    lay = build_layout(ids, torch.ones_like(ids), anchors, torch.ones_like(anchors).bool(), 8, 1)
     fake = SimpleNamespace(attention="auto")
-    assert DFlashModule._backend(fake, layout(64, 16)) == "dense"  # 128 block tokens: 2x
-    assert DFlashModule._backend(fake, layout(64, 24)) == "blockwise"  # 192: 3x
-    assert DFlashModule._backend(SimpleNamespace(attention="dense"), layout(64, 24)) == "dense"
+    assert DFlashModule._backend(fake, lay) == "blockwise"
+    on_cuda = SimpleNamespace(anchors=SimpleNamespace(device=torch.device("cuda")))
+    assert DFlashModule._backend(fake, on_cuda) == "flex"
+    assert DFlashModule._backend(SimpleNamespace(attention="dense"), lay) == "dense"

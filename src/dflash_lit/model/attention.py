@@ -1,13 +1,13 @@
-"""Attention kernels for the drafter: SDPA, flex (GPU) and the CPU blockwise path.
+"""Attention kernels for the drafter: SDPA, flex (GPU) and the blockwise path (CPU).
 
 The training layout's visibility is two-part: a block's queries see a prefix of the context
 and their own block only. ``blockwise_attention`` computes exactly that without the dense
-[Q, S+Q] score matrix: scores against the context [Q, S] plus per-block scores [N, Bs, Bs],
-softmaxed jointly, so FLOPs drop from Q·(S+Q) to Q·(S+Bs) (the saving the flex BlockMask
-gets on GPU) with an autograd backward on CPU. Measured (bench/attention_layout.py): 1.35-2.4x
-faster than the dense mask with 512 anchors at 1-2k context, slower with few anchors, and it
-keeps its [Q, S] probabilities for backward, which torch's fused CPU SDPA does not: the dense
-path stays the CPU default and ``attention=blockwise`` is the option for many-anchor runs.
+[Q, S+Q] score matrix, so FLOPs drop from Q·(S+Q) to Q·(S+Bs) (the saving the flex
+BlockMask gets on GPU). On CPU it runs torch's fused flash kernel over the context keys and
+merges the per-block [Bs, Bs] part by log-sum-exp, forward and backward
+(``_SplitContextAttention``): no score matrix is kept for the backward, and it is faster
+than the dense mask at every anchor count measured (bench/attention_layout.py), so
+``attention=auto`` uses it on CPU.
 """
 
 from __future__ import annotations
@@ -28,13 +28,28 @@ except ImportError:  # pragma: no cover
 
 
 def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockwiseMask) -> Tensor:
-    """q [B, H, Q, D]; k, v [B, Hkv, S+Q, D] (context keys, then block keys) -> [B, H, Q, D]."""
+    """q [B, H, Q, D]; k, v [B, Hkv, S+Q, D] (context keys, then block keys) -> [B, H, Q, D].
+
+    On CPU, torch's fused flash kernel attends to the context and the per-block part is
+    merged into it through the log-sum-exp (``_SplitContextAttention``); elsewhere the scores
+    are formed explicitly (``_blockwise_scores``)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # GQA: share each kv head across its query group
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if q.device.type != "cpu":
+        return _blockwise_scores(q, k, v, mask)
+    # One dtype for the fused kernel (under autocast the RMSNorm'd q/k stay fp32, v is bf16).
+    q, k = q.to(v.dtype), k.to(v.dtype)
+    s = mask.context_len
+    return _SplitContextAttention.apply(q, k[:, :, :s], v[:, :, :s], k[:, :, s:], v[:, :, s:],
+                                        mask.additive(v.dtype), mask.block_size)
+
+
+def _blockwise_scores(q: Tensor, k: Tensor, v: Tensor, mask: BlockwiseMask) -> Tensor:
+    """The blockwise attention with explicit [Q, S] scores (autograd keeps them)."""
     b, h, q_len, dim = q.shape
     s, bs = mask.context_len, mask.block_size
     n = q_len // bs
-    rep = h // k.shape[1]
-    if rep > 1:  # GQA: share each kv head across its query group
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scale = dim**-0.5
     k_ctx, v_ctx = k[:, :, :s], v[:, :, :s]
     k_blk, v_blk = k[:, :, s:].reshape(b, h, n, bs, dim), v[:, :, s:].reshape(b, h, n, bs, dim)
@@ -46,6 +61,64 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockwiseMask) ->
     p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = p[..., :s].reshape(b, h, q_len, s) @ v_ctx
     return out + (p[..., s:] @ v_blk).reshape(b, h, q_len, dim)
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _SplitContextAttention(torch.autograd.Function):
+    """Softmax attention over the union of two key sets, the masked context and the query's
+    own block, without a [Q, S+Q] score matrix: torch's fused CPU flash kernel attends to
+    the context (returning its log-sum-exp), the [Bs, Bs] block scores are formed per block,
+    and the two outputs are merged by their log-sum-exps.
+
+    Backward (the split-KV identity of FlashAttention): the gradient of one key set's part
+    is the flash backward of that part called with the *merged* output and log-sum-exp,
+    because it recomputes the probabilities as exp(score - lse) and the softmax correction
+    from rowsum(dO · O). So the context part reuses torch's fused backward; the block part
+    is written out here. Equal to the dense-mask SDPA to float rounding (tests)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor,
+                ctx_mask: Tensor, block_size: int) -> Tensor:
+        b, h, q_len, dim = q.shape
+        n, bs = q_len // block_size, block_size
+        scale = dim**-0.5
+        with torch.autocast("cpu", enabled=False):
+            o_ctx, lse_ctx = _flash_cpu(q, k_ctx, v_ctx, attn_mask=ctx_mask, scale=scale)
+            # The kernel reports lse 0 (output 0) for a query that sees no context key.
+            sees_ctx = (ctx_mask > float("-inf")).any(-1)  # [B, 1, Q]
+            lse_ctx = lse_ctx.masked_fill(~sees_ctx, float("-inf"))
+            s_blk = (q.reshape(b, h, n, bs, dim) @ k_blk.reshape(b, h, n, bs, dim).transpose(-1, -2))
+            s_blk = s_blk * scale  # [B, H, N, Bs, Bs]: a query sees its whole block
+            lse = torch.logaddexp(lse_ctx, torch.logsumexp(s_blk, -1).view(b, h, q_len))
+            p_blk = torch.exp(s_blk - lse.view(b, h, n, bs, 1))  # merged-softmax weights
+            w_ctx = torch.exp(lse_ctx - lse).unsqueeze(-1)
+            out = o_ctx.masked_fill(~sees_ctx[..., None], 0.0) * w_ctx
+            out = out + (p_blk @ v_blk.reshape(b, h, n, bs, dim)).view(b, h, q_len, dim)
+        ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, out, lse, p_blk)
+        ctx.block_size = block_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, out, lse, p_blk = ctx.saved_tensors
+        b, h, q_len, dim = q.shape
+        n, bs = q_len // ctx.block_size, ctx.block_size
+        scale = dim**-0.5
+        grad_out = grad_out.contiguous()
+        with torch.autocast("cpu", enabled=False):
+            dq, dk_ctx, dv_ctx = _flash_cpu_backward(grad_out, q, k_ctx, v_ctx, out, lse, 0.0,
+                                                     False, attn_mask=ctx_mask, scale=scale)
+            g = grad_out.view(b, h, n, bs, dim)
+            dv_blk = p_blk.transpose(-1, -2) @ g
+            dp = g @ v_blk.reshape(b, h, n, bs, dim).transpose(-1, -2)
+            row = (grad_out * out).sum(-1).view(b, h, n, bs, 1)  # softmax correction
+            ds = p_blk * (dp - row) * scale
+            dq = dq + (ds @ k_blk.reshape(b, h, n, bs, dim)).view(b, h, q_len, dim)
+            dk_blk = ds.transpose(-1, -2) @ q.reshape(b, h, n, bs, dim)
+        return (dq, dk_ctx, dv_ctx, dk_blk.view_as(k_blk), dv_blk.view_as(v_blk), None, None)
 
 
 # Eager flex_attention materialises the whole score matrix (torch warns so); compiled, it runs

@@ -9,7 +9,7 @@ block, so no query row is fully masked (SDPA would return NaN for it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -50,10 +50,20 @@ class BlockwiseMask:
 
     context: Tensor
     block_size: int
+    _additive: dict[torch.dtype, Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def context_len(self) -> int:
         return self.context.shape[-1]
+
+    def additive(self, dtype: torch.dtype) -> Tensor:
+        """``context`` as an additive float mask (0 = attend, -inf = not), built once per
+        dtype and shared by every layer of a forward."""
+        if dtype not in self._additive:
+            self._additive[dtype] = torch.zeros(self.context.shape, dtype=dtype,
+                                                device=self.context.device).masked_fill_(
+                                                    ~self.context, float("-inf"))
+        return self._additive[dtype]
 
 
 def blockwise_mask(layout: BlockLayout, window: int | None = None) -> BlockwiseMask:

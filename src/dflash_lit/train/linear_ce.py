@@ -7,9 +7,10 @@ logits of ``chunk_rows`` valid slots at a time are computed, reduced to (CE, arg
 turned into the gradient w.r.t. the hidden states right away — ``W`` is frozen, so only
 ``dL/dh = (softmax - onehot) · w @ W`` is needed, and it is ready at the end of the forward.
 
-Peak extra memory: ``chunk_rows · V · 4 bytes · 3`` (logits, probabilities, their
-compute-dtype copy) plus ``M · d`` for the gradient, where M is the number of valid slots —
-independent of the number of anchors. The un-fused path holds about
+Peak extra memory: ``chunk_rows · V · 4 bytes`` (one chunk's logits, turned into their
+gradient in place; plus a copy in ``compute_dtype`` when that is not float32) and ``M · d``
+for the gradient, where M is the number of valid slots — independent of the number of
+anchors. The un-fused path holds about
 ``4 · B · N · Bs · V · 4 bytes``.
 
 Matmuls may run in a lower ``compute_dtype`` (bf16 on CPU is 2-4x faster than fp32 here);
@@ -53,15 +54,18 @@ class _LinearCE(torch.autograd.Function):
         for s in range(0, m, chunk_rows):
             e = min(s + chunk_rows, m)
             logits = (hidden[s:e].to(compute_dtype) @ wc.T).float()  # [c, V]
-            lse = torch.logsumexp(logits, dim=-1)
-            y = labels[s:e]
-            ce[s:e] = lse - logits.gather(1, y[:, None]).squeeze(1)
-            pred[s:e] = logits.argmax(-1)
+            y = labels[s:e, None]
+            # Four in-place passes over [c, V] (max+argmax, sub+exp, sum, scale) and no
+            # temporary: logsumexp would allocate one and exponentiate a second time.
+            top, pred[s:e] = logits.max(-1)
+            picked = logits.gather(1, y).squeeze(1)
+            probs = logits.sub_(top[:, None]).exp_()  # unnormalised softmax
+            total = probs.sum(-1)
+            ce[s:e] = top + total.log() - picked
             # d(w·CE)/dlogits = w · (softmax - onehot), written into the logits buffer
-            probs = logits.sub_(lse[:, None]).exp_()
-            probs.scatter_add_(1, y[:, None], torch.full_like(lse[:, None], -1.0))
-            if not callable(w):
-                probs.mul_(w[s:e, None])
+            w_rows = torch.ones_like(total) if callable(w) else w[s:e]
+            probs.mul_((w_rows / total)[:, None])
+            probs.scatter_add_(1, y, w_rows.neg()[:, None])
             grad[s:e] = (probs.to(compute_dtype) @ wc).to(hidden.dtype)
         if callable(w):
             w = w(ce).float()
