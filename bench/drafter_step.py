@@ -9,11 +9,15 @@ Size (the issue's "realistic CPU size"): vocab 4096, hidden 256, B=4, S=512, Bs=
   training path before the fused loss;
 - ``fused fp32``: same attention, ``fused_hard_ce`` (chunked lm_head + CE over valid slots,
   gradient formed in the forward), labels from the target's argmax ids [B, S];
-- ``+ blockwise``: the fused loss with the factored blockwise attention;
+- ``+ blockwise``: the fused loss with the blockwise attention (on CPU torch's fused flash
+  kernel over the context, the block part merged by log-sum-exp; ``attention=auto`` on CPU);
 - ``fused bf16 head`` (``+ bf16 autocast``): lm_head matmuls in bf16 (and the drafter body
   under CPU bf16 autocast) — run only where ``dflash_lit.precision`` measures bf16 faster.
 
-Also reports peak step memory (fresh subprocess per case, ru_maxrss growth) at 512 anchors.
+Also reports peak step memory (fresh subprocess per case, ru_maxrss growth) at 512 anchors,
+and each step's model FLOP/s (``bench/flops.py``) over the fp32 matmul peak measured in the
+same run: where the previous path already runs near that peak, no kernel can make a step
+much faster without doing less arithmetic.
 
     python bench/drafter_step.py [--anchors 32 128] [--repeats 5] [--threads 2]
 """
@@ -29,6 +33,7 @@ import sys
 
 import torch
 from common import drafter_step_parts, fmt_table, median_time, peaks, write_result
+from flops import drafter_train_flops
 
 from dflash_lit import DFlashConfig
 from dflash_lit.model.block_forward import draft_hidden
@@ -95,7 +100,9 @@ def run_case(name: str, n: int, repeats: int) -> dict:
     loss = step()
     t = median_time(step, repeats=repeats, warmup=1)
     mem = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
-    return {"variant": name, "anchors": n, "step_s": t, "peak_mem_mib": mem, "loss": loss}
+    gflop = drafter_train_flops(parts[0].config, parts[-1]) / 1e9  # the same for every variant
+    return {"variant": name, "anchors": n, "step_s": t, "peak_mem_mib": mem, "loss": loss,
+            "gflop": gflop}
 
 
 def main() -> None:
@@ -127,7 +134,9 @@ def main() -> None:
             rows.append(r)
             print(r, flush=True)
     pk = peaks()
-    table = fmt_table(rows, ["variant", "anchors", "step_s", "speedup_vs_previous",
+    for r in rows:  # model FLOP/s over the fp32 matmul peak measured in this run
+        r["mfu_fp32"] = r["gflop"] / r["step_s"] / pk["fp32_gflops"]
+    table = fmt_table(rows, ["variant", "anchors", "step_s", "speedup_vs_previous", "mfu_fp32",
                              "peak_mem_mib", "mem_vs_previous", "loss"])
     table += (f"\n\nthreads {args.threads}; matmul peak (same run): fp32 {pk['fp32_gflops']:.1f}"
               f" GFLOP/s, bf16 {pk['bf16_gflops']:.1f} GFLOP/s")
