@@ -119,6 +119,30 @@ def test_fused_cpu_blockwise_kernel_equals_dense_sdpa(dtype):
             torch.testing.assert_close(got, ref, **tol)
 
 
+def test_fused_cpu_blockwise_kernel_runs_in_bf16():
+    """Under bf16 (autocast on CPUs with native bf16) the kernel keeps its inputs' dtype and
+    agrees with float32 to bf16 rounding, forward and gradients."""
+    from dflash_lit.model.attention import blockwise_attention
+    from dflash_lit.model.masks import blockwise_mask
+
+    *_, layout, _, _, _ = random_setup(5, max_anchors=8)
+    b, q_len, s = layout.anchors.shape[0], layout.num_blocks * layout.block_size, layout.context_len
+    mask = blockwise_mask(layout)
+    g = torch.Generator().manual_seed(1)
+    qkv = [torch.randn(b, h, n, 8, generator=g) for h, n in ((4, q_len), (2, s + q_len),
+                                                              (2, s + q_len))]
+    grad_out = torch.randn(b, 4, q_len, 8, generator=g)
+    res = {}
+    for dt in (torch.float32, torch.bfloat16):
+        leaves = [t.clone().to(dt).requires_grad_(True) for t in qkv]
+        out = blockwise_attention(*leaves, mask)
+        out.backward(grad_out.to(dt))
+        assert out.dtype == dt and all(t.grad.dtype == dt for t in leaves)
+        res[dt] = [out.detach().float()] + [t.grad.float() for t in leaves]
+    for got, ref in zip(res[torch.bfloat16], res[torch.float32], strict=True):
+        torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)
+
+
 def test_blockwise_memory_is_linear_in_blocks():
     """The factored mask stores Q·S booleans, the dense one Q·(S+Q)."""
     from dflash_lit.model.masks import blockwise_mask

@@ -85,18 +85,23 @@ class _SplitContextAttention(torch.autograd.Function):
         b, h, q_len, dim = q.shape
         n, bs = q_len // block_size, block_size
         scale = dim**-0.5
+        # the block part and the merge (small tensors) in at least float32, the dtype of the
+        # kernel's own log-sum-exp
+        f32 = torch.promote_types(q.dtype, torch.float32)
         with torch.autocast("cpu", enabled=False):
             o_ctx, lse_ctx = _flash_cpu(q, k_ctx, v_ctx, attn_mask=ctx_mask, scale=scale)
             # The kernel reports lse 0 (output 0) for a query that sees no context key.
             sees_ctx = (ctx_mask > float("-inf")).any(-1)  # [B, 1, Q]
-            lse_ctx = lse_ctx.masked_fill(~sees_ctx, float("-inf"))
-            s_blk = (q.reshape(b, h, n, bs, dim) @ k_blk.reshape(b, h, n, bs, dim).transpose(-1, -2))
-            s_blk = s_blk * scale  # [B, H, N, Bs, Bs]: a query sees its whole block
+            lse_ctx = lse_ctx.to(f32).masked_fill(~sees_ctx, float("-inf"))
+            q_blk = q.reshape(b, h, n, bs, dim).to(f32)
+            s_blk = q_blk @ k_blk.reshape(b, h, n, bs, dim).to(f32).transpose(-1, -2) * scale
+            # [B, H, N, Bs, Bs]: a query sees its whole block
             lse = torch.logaddexp(lse_ctx, torch.logsumexp(s_blk, -1).view(b, h, q_len))
             p_blk = torch.exp(s_blk - lse.view(b, h, n, bs, 1))  # merged-softmax weights
             w_ctx = torch.exp(lse_ctx - lse).unsqueeze(-1)
-            out = o_ctx.masked_fill(~sees_ctx[..., None], 0.0) * w_ctx
-            out = out + (p_blk @ v_blk.reshape(b, h, n, bs, dim)).view(b, h, q_len, dim)
+            out = o_ctx.to(f32).masked_fill(~sees_ctx[..., None], 0.0) * w_ctx
+            out = out + (p_blk @ v_blk.reshape(b, h, n, bs, dim).to(f32)).view(b, h, q_len, dim)
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, out, lse, p_blk)
         ctx.block_size = block_size
         return out
@@ -107,18 +112,20 @@ class _SplitContextAttention(torch.autograd.Function):
         b, h, q_len, dim = q.shape
         n, bs = q_len // ctx.block_size, ctx.block_size
         scale = dim**-0.5
+        f32 = lse.dtype
         grad_out = grad_out.contiguous()
         with torch.autocast("cpu", enabled=False):
             dq, dk_ctx, dv_ctx = _flash_cpu_backward(grad_out, q, k_ctx, v_ctx, out, lse, 0.0,
                                                      False, attn_mask=ctx_mask, scale=scale)
-            g = grad_out.view(b, h, n, bs, dim)
+            g = grad_out.to(f32).view(b, h, n, bs, dim)
             dv_blk = p_blk.transpose(-1, -2) @ g
-            dp = g @ v_blk.reshape(b, h, n, bs, dim).transpose(-1, -2)
-            row = (grad_out * out).sum(-1).view(b, h, n, bs, 1)  # softmax correction
+            dp = g @ v_blk.reshape(b, h, n, bs, dim).to(f32).transpose(-1, -2)
+            row = (grad_out.to(f32) * out.to(f32)).sum(-1).view(b, h, n, bs, 1)  # softmax term
             ds = p_blk * (dp - row) * scale
-            dq = dq + (ds @ k_blk.reshape(b, h, n, bs, dim)).view(b, h, q_len, dim)
-            dk_blk = ds.transpose(-1, -2) @ q.reshape(b, h, n, bs, dim)
-        return (dq, dk_ctx, dv_ctx, dk_blk.view_as(k_blk), dv_blk.view_as(v_blk), None, None)
+            dq_blk = (ds @ k_blk.reshape(b, h, n, bs, dim).to(f32)).view(b, h, q_len, dim)
+            dk_blk = ds.transpose(-1, -2) @ q.reshape(b, h, n, bs, dim).to(f32)
+        return (dq + dq_blk.to(dq.dtype), dk_ctx, dv_ctx, dk_blk.to(k_blk.dtype).view_as(k_blk),
+                dv_blk.to(v_blk.dtype).view_as(v_blk), None, None)
 
 
 # Eager flex_attention materialises the whole score matrix (torch warns so); compiled, it runs
