@@ -10,11 +10,14 @@ recipe's chain τ relative to v5's.
 
 Every run lives in ``outputs/bench_quality/<recipe>_seed<s>/``, and a finished step is never
 redone. A run that has ``done.json`` is not retrained. A killed run resumes from its
-``last.ckpt``. An evaluation whose ``report.json`` exists is read back. So the whole grid
-(18 runs of ~12 min on 2 CPU cores, plus evaluation) can run in pieces across sessions.
+``last.ckpt``. An evaluation whose ``report.json`` exists is read back. A (recipe, seed)
+already recorded in ``bench/results/quality.json`` (by this machine or another, with the same
+prompt limit and length) is kept and not rerun unless ``--redo`` is given, and every
+invocation rewrites the table from all recorded rows. So the whole grid (18 runs of 12-40 min
+on 2 CPU cores, plus evaluation) can run in pieces, in parallel, across machines.
 
     python bench/quality.py [--recipes v5_hardce v6_dpace ...] [--seeds 0 1 2] [--limit 40]
-    python bench/quality.py --table-only      # aggregate what has finished so far
+    python bench/quality.py --table-only      # the table from what has been recorded so far
 """
 
 from __future__ import annotations
@@ -37,6 +40,23 @@ RECIPES = {"v3_composite": ["main"], "v4_5layer": ["main"], "v5_hardce": ["main"
 PROMPT_SETS = {"humaneval": "he", "tiny_heldout": "ho"}
 TREE_BUDGET = 16
 ROOT = REPO / "outputs" / "bench_quality"
+RECORD = REPO / "bench" / "results" / "quality.json"
+
+
+def base_recipe(row: dict) -> str:
+    """The recipe a row belongs to (``multi_drafter/gamma4`` -> ``multi_drafter``)."""
+    return row["recipe"].split("/")[0]
+
+
+def recorded_rows(limit: int, max_new: int, overrides: list[str]) -> list[dict]:
+    """Rows already in the results file that were measured with the same prompt settings
+    and training overrides."""
+    if not RECORD.is_file():
+        return []
+    rec = json.loads(RECORD.read_text())
+    if (rec.get("limit"), rec.get("max_new_tokens")) != (limit, max_new):
+        return []
+    return [r for r in rec.get("rows", []) if r.get("train_overrides", []) == overrides]
 
 
 def last_val(run_dir: Path, drafter: str) -> dict[str, float]:
@@ -136,12 +156,18 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--train-overrides", nargs="*", default=[])
     ap.add_argument("--table-only", action="store_true",
-                    help="no training or evaluation: aggregate the finished runs")
+                    help="no training or evaluation: the table from the recorded rows and "
+                         "the finished runs")
+    ap.add_argument("--redo", action="store_true",
+                    help="rerun (recipe, seed) pairs already recorded in the results file")
     args = ap.parse_args()
+    done = {(base_recipe(r), r["seed"]) for r in recorded_rows(args.limit, args.max_new_tokens, args.train_overrides)}
     rows = []
     for recipe in args.recipes:
         for seed in args.seeds:
             run_dir = ROOT / f"{recipe}_seed{seed}"
+            if (recipe, seed) in done and not args.redo:
+                continue
             if args.table_only and not (run_dir / "done.json").is_file():
                 continue
             if not args.table_only:
@@ -150,8 +176,15 @@ def main() -> None:
                 row = run_row(recipe, drafter, seed, run_dir, args.limit, args.max_new_tokens,
                               evaluate_missing=not args.table_only)
                 if row is not None:
+                    row["train_overrides"] = args.train_overrides
                     rows.append(row)
                     print(row, flush=True)
+    # Re-read the record now: another invocation may have added rows while this one ran.
+    new = {(base_recipe(r), r["seed"]) for r in rows}
+    order = {name: i for i, name in enumerate(RECIPES)}
+    rows = sorted([r for r in recorded_rows(args.limit, args.max_new_tokens, args.train_overrides)
+                   if (base_recipe(r), r["seed"]) not in new] + rows,
+                  key=lambda r: (order[base_recipe(r)], r["recipe"], r["seed"]))
     if not rows:
         raise SystemExit(f"no finished run under {ROOT.relative_to(REPO)}/")
     agg = aggregate(rows)
