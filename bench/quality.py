@@ -41,6 +41,7 @@ PROMPT_SETS = {"humaneval": "he", "tiny_heldout": "ho"}
 TREE_BUDGET = 16
 ROOT = REPO / "outputs" / "bench_quality"
 RECORD = REPO / "bench" / "results" / "quality.json"
+EXIT_STREAK = 3.0  # train streak that marks leaving the plateau (below 1 on it, ~9 past it)
 
 
 def base_recipe(row: dict) -> str:
@@ -69,6 +70,17 @@ def last_val(run_dir: Path, drafter: str) -> dict[str, float]:
                 if v not in (None, ""):
                     vals[k] = float(v)
     return vals
+
+
+def plateau_exit_step(run_dir: Path, drafter: str) -> int | None:
+    """First training step whose windowed train streak reaches ``EXIT_STREAK`` (the step the
+    drafter left the copy-the-anchor plateau, where the streak sits below 1); None if never."""
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            v = row.get(f"train_window/{drafter}/streak")
+            if v not in (None, "") and float(v) >= EXIT_STREAK:
+                return int(row["step"])
+    return None
 
 
 def train(recipe: str, seed: int, overrides: list[str]) -> Path:
@@ -106,7 +118,8 @@ def run_row(recipe: str, drafter: str, seed: int, run_dir: Path, limit: int, max
     """One (recipe, drafter, seed): val metrics and τ on every prompt set, or None when an
     evaluation is missing and ``evaluate_missing`` is off."""
     row = {"recipe": recipe if drafter == "main" else f"{recipe}/{drafter}", "seed": seed,
-           **{f"val_{k}": v for k, v in last_val(run_dir, drafter).items()}}
+           **{f"val_{k}": v for k, v in last_val(run_dir, drafter).items()},
+           "exit_step": plateau_exit_step(run_dir, drafter)}
     for prompts, tag in PROMPT_SETS.items():
         if not evaluate_missing and not (run_dir / "eval" / f"{prompts}_{drafter}" /
                                          "report.json").is_file():
@@ -120,6 +133,8 @@ def run_row(recipe: str, drafter: str, seed: int, run_dir: Path, limit: int, max
 
 
 def mean_sd(xs: list[float]) -> str:
+    if not xs:
+        return "-"
     if len(xs) == 1:
         return f"{xs[0]:.2f}"
     return f"{statistics.mean(xs):.2f} ± {statistics.stdev(xs):.2f}"
@@ -135,7 +150,11 @@ def aggregate(rows: list[dict]) -> list[dict]:
     ref = by.get("v5_hardce")
     out = []
     for recipe, rs in by.items():
-        agg = {"recipe": recipe, "seeds": len(rs)}
+        agg = {"recipe": recipe, "seeds": len(rs),
+               # per seed, not averaged: one late exit is what a mean would hide
+               "exit_steps": "/".join("?" if "exit_step" not in r else
+                                      "never" if r["exit_step"] is None else str(r["exit_step"])
+                                      for r in rs)}
         for c in cols:
             agg[c] = mean_sd([r[c] for r in rs if r.get(c) is not None])
         agg["lossless"] = all(r[f"{t}_lossless"] for r in rs for t in PROMPT_SETS.values())
@@ -181,10 +200,15 @@ def main() -> None:
                     print(row, flush=True)
     # Re-read the record now: another invocation may have added rows while this one ran.
     new = {(base_recipe(r), r["seed"]) for r in rows}
+    kept = [r for r in recorded_rows(args.limit, args.max_new_tokens, args.train_overrides)
+            if (base_recipe(r), r["seed"]) not in new]
+    for r in kept:  # recorded before exit steps were: fill in where the run is still here
+        csv_dir = ROOT / f"{base_recipe(r)}_seed{r['seed']}" / "csv"
+        if "exit_step" not in r and (csv_dir / "metrics.csv").is_file():
+            drafter = r["recipe"].split("/")[1] if "/" in r["recipe"] else "main"
+            r["exit_step"] = plateau_exit_step(csv_dir.parent, drafter)
     order = {name: i for i, name in enumerate(RECIPES)}
-    rows = sorted([r for r in recorded_rows(args.limit, args.max_new_tokens, args.train_overrides)
-                   if (base_recipe(r), r["seed"]) not in new] + rows,
-                  key=lambda r: (order[base_recipe(r)], r["recipe"], r["seed"]))
+    rows = sorted(kept + rows, key=lambda r: (order[base_recipe(r)], r["recipe"], r["seed"]))
     if not rows:
         raise SystemExit(f"no finished run under {ROOT.relative_to(REPO)}/")
     agg = aggregate(rows)

@@ -4,6 +4,7 @@ chain τ relative to v5's mean, on hand-computed numbers."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -40,3 +41,32 @@ def test_mean_sd_over_seeds_and_ratio_to_v5(quality):
     assert v3["lossless"] is True
     rows[0]["ho_lossless"] = False
     assert quality.aggregate(rows)[0]["lossless"] is False
+
+
+def test_exit_steps_listed_per_seed(quality):
+    rows = [_row("v5_hardce", 0, 10.0, 4.0, 5.0, 2.0), _row("v5_hardce", 1, 2.0, 1.0, 2.0, 2.0),
+            _row("v5_hardce", 2, 9.0, 4.0, 5.0, 2.0)]
+    rows[0]["exit_step"], rows[1]["exit_step"] = 150, None  # seed 2: recorded before them
+    assert quality.aggregate(rows)[0]["exit_steps"] == "150/never/?"
+
+
+def test_plateau_exit_step_from_the_csv(quality, tmp_path):
+    (tmp_path / "csv").mkdir()
+    lines = ["step,train_window/main/streak,val/main/acc",
+             "0,0.0,", "20,0.6,", "40,,0.3", "60,2.9,", "80,3.4,", "100,8.0,"]
+    (tmp_path / "csv" / "metrics.csv").write_text("\n".join(lines) + "\n")
+    assert quality.plateau_exit_step(tmp_path, "main") == 80
+    assert quality.plateau_exit_step(tmp_path, "other") is None  # never logged: never left
+
+
+def test_recorded_rows_kept_only_for_the_same_settings(quality, tmp_path, monkeypatch):
+    record = tmp_path / "quality.json"
+    monkeypatch.setattr(quality, "RECORD", record)
+    assert quality.recorded_rows(40, 128, []) == []  # nothing recorded yet
+    rows = [{**_row("v5_hardce", 0, 10.0, 4.0, 5.0, 2.0)},
+            {**_row("v5_hardce", 1, 10.0, 4.0, 5.0, 2.0), "train_overrides": ["seed=3"]}]
+    record.write_text(json.dumps({"rows": rows, "limit": 40, "max_new_tokens": 128}))
+    assert [r["seed"] for r in quality.recorded_rows(40, 128, [])] == [0]
+    assert [r["seed"] for r in quality.recorded_rows(40, 128, ["seed=3"])] == [1]
+    assert quality.recorded_rows(10, 128, []) == []  # other prompt settings: not comparable
+    assert quality.base_recipe({"recipe": "multi_drafter/gamma4"}) == "multi_drafter"
