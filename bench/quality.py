@@ -10,10 +10,11 @@ recipe's chain τ relative to v5's.
 
 Every run lives in ``outputs/bench_quality/<recipe>_seed<s>/``, and a finished step is never
 redone. A run that has ``done.json`` is not retrained. A killed run resumes from its
-``last.ckpt``. An evaluation whose ``report.json`` exists is read back. A (recipe, seed)
-already recorded in ``bench/results/quality.json`` (by this machine or another, with the same
-prompt limit and length) is kept and not rerun unless ``--redo`` is given, and every
-invocation rewrites the table from all recorded rows. So the whole grid (18 runs of 12-40 min
+``last.ckpt``. An evaluation whose ``report.json`` exists is read back. Every row ever
+measured stays in ``bench/results/quality.json`` with its prompt settings and training
+overrides (by this machine or another); a (recipe, seed) recorded with the same settings is
+not rerun unless ``--redo`` is given, and each invocation rewrites the table from all the
+recorded rows of its settings. So the whole grid (18 runs of 12-40 min
 on 2 CPU cores, plus evaluation) can run in pieces, in parallel, across machines.
 
     python bench/quality.py [--recipes v5_hardce v6_dpace ...] [--seeds 0 1 2] [--limit 40]
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import statistics
 import subprocess
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 from common import REPO, fmt_table, write_result
+from omegaconf import OmegaConf
 
 # recipe -> its drafters' names (multi_drafter trains three off one target forward)
 RECIPES = {"v3_composite": ["main"], "v4_5layer": ["main"], "v5_hardce": ["main"],
@@ -49,15 +52,18 @@ def base_recipe(row: dict) -> str:
     return row["recipe"].split("/")[0]
 
 
-def recorded_rows(limit: int, max_new: int, overrides: list[str]) -> list[dict]:
-    """Rows already in the results file that were measured with the same prompt settings
-    and training overrides."""
+def recorded_rows() -> list[dict]:
+    """Every row in the results file, each carrying its prompt settings and overrides."""
     if not RECORD.is_file():
         return []
     rec = json.loads(RECORD.read_text())
-    if (rec.get("limit"), rec.get("max_new_tokens")) != (limit, max_new):
-        return []
-    return [r for r in rec.get("rows", []) if r.get("train_overrides", []) == overrides]
+    return [{"limit": rec.get("limit"), "max_new_tokens": rec.get("max_new_tokens"),
+             "train_overrides": [], **r} for r in rec.get("rows", [])]
+
+
+def settings(r: dict) -> tuple:
+    """What makes two rows comparable: prompt count and length, and the training overrides."""
+    return r["limit"], r["max_new_tokens"], tuple(r["train_overrides"])
 
 
 def last_val(run_dir: Path, drafter: str) -> dict[str, float]:
@@ -83,9 +89,25 @@ def plateau_exit_step(run_dir: Path, drafter: str) -> int | None:
     return None
 
 
+def run_precision(run_dir: Path) -> str | None:
+    """The trainer precision the run resolved to (``trainer.precision=${cpu_precision:}``
+    picks bf16-mixed only on CPUs with fast bf16 matmuls, so it can differ across machines)."""
+    cfg = run_dir / "config_resolved.yaml"
+    if not cfg.is_file():
+        return None
+    return str(OmegaConf.load(cfg).trainer.precision)
+
+
+def run_dir_for(recipe: str, seed: int, overrides: list[str]) -> Path:
+    """``<recipe>_seed<s>``, plus a digest of the training overrides when there are any (a run
+    under other overrides is another run)."""
+    tag = hashlib.sha1(" ".join(overrides).encode()).hexdigest()[:8] if overrides else ""
+    return ROOT / f"{recipe}_seed{seed}{'_' + tag if tag else ''}"
+
+
 def train(recipe: str, seed: int, overrides: list[str]) -> Path:
     """Train (or resume, or skip) one recipe at one seed; returns its run directory."""
-    run_dir = ROOT / f"{recipe}_seed{seed}"
+    run_dir = run_dir_for(recipe, seed, overrides)
     if (run_dir / "done.json").is_file():
         return run_dir
     cmd = [sys.executable, str(REPO / "train.py"), f"experiment={recipe}", f"seed={seed}",
@@ -119,7 +141,7 @@ def run_row(recipe: str, drafter: str, seed: int, run_dir: Path, limit: int, max
     evaluation is missing and ``evaluate_missing`` is off."""
     row = {"recipe": recipe if drafter == "main" else f"{recipe}/{drafter}", "seed": seed,
            **{f"val_{k}": v for k, v in last_val(run_dir, drafter).items()},
-           "exit_step": plateau_exit_step(run_dir, drafter)}
+           "exit_step": plateau_exit_step(run_dir, drafter), "precision": run_precision(run_dir)}
     for prompts, tag in PROMPT_SETS.items():
         if not evaluate_missing and not (run_dir / "eval" / f"{prompts}_{drafter}" /
                                          "report.json").is_file():
@@ -154,7 +176,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
                # per seed, not averaged: one late exit is what a mean would hide
                "exit_steps": "/".join("?" if "exit_step" not in r else
                                       "never" if r["exit_step"] is None else str(r["exit_step"])
-                                      for r in rs)}
+                                      for r in rs),
+               "precision": "+".join(sorted({str(r.get("precision")) for r in rs}))}
         for c in cols:
             agg[c] = mean_sd([r[c] for r in rs if r.get(c) is not None])
         agg["lossless"] = all(r[f"{t}_lossless"] for r in rs for t in PROMPT_SETS.values())
@@ -180,11 +203,12 @@ def main() -> None:
     ap.add_argument("--redo", action="store_true",
                     help="rerun (recipe, seed) pairs already recorded in the results file")
     args = ap.parse_args()
-    done = {(base_recipe(r), r["seed"]) for r in recorded_rows(args.limit, args.max_new_tokens, args.train_overrides)}
+    mine = (args.limit, args.max_new_tokens, tuple(args.train_overrides))
+    done = {(base_recipe(r), r["seed"]) for r in recorded_rows() if settings(r) == mine}
     rows = []
     for recipe in args.recipes:
         for seed in args.seeds:
-            run_dir = ROOT / f"{recipe}_seed{seed}"
+            run_dir = run_dir_for(recipe, seed, args.train_overrides)
             if (recipe, seed) in done and not args.redo:
                 continue
             if args.table_only and not (run_dir / "done.json").is_file():
@@ -195,20 +219,23 @@ def main() -> None:
                 row = run_row(recipe, drafter, seed, run_dir, args.limit, args.max_new_tokens,
                               evaluate_missing=not args.table_only)
                 if row is not None:
-                    row["train_overrides"] = args.train_overrides
+                    row.update(limit=args.limit, max_new_tokens=args.max_new_tokens,
+                               train_overrides=args.train_overrides)
                     rows.append(row)
                     print(row, flush=True)
     # Re-read the record now: another invocation may have added rows while this one ran.
     new = {(base_recipe(r), r["seed"]) for r in rows}
-    kept = [r for r in recorded_rows(args.limit, args.max_new_tokens, args.train_overrides)
-            if (base_recipe(r), r["seed"]) not in new]
+    kept = [r for r in recorded_rows()
+            if settings(r) != mine or (base_recipe(r), r["seed"]) not in new]
     for r in kept:  # recorded before exit steps were: fill in where the run is still here
-        csv_dir = ROOT / f"{base_recipe(r)}_seed{r['seed']}" / "csv"
-        if "exit_step" not in r and (csv_dir / "metrics.csv").is_file():
+        csv_dir = run_dir_for(base_recipe(r), r["seed"], args.train_overrides) / "csv"
+        if settings(r) == mine and "exit_step" not in r and (csv_dir / "metrics.csv").is_file():
             drafter = r["recipe"].split("/")[1] if "/" in r["recipe"] else "main"
             r["exit_step"] = plateau_exit_step(csv_dir.parent, drafter)
+            r["precision"] = run_precision(csv_dir.parent)
     order = {name: i for i, name in enumerate(RECIPES)}
-    rows = sorted(kept + rows, key=lambda r: (order[base_recipe(r)], r["recipe"], r["seed"]))
+    every = sorted(kept + rows, key=lambda r: (order[base_recipe(r)], r["recipe"], r["seed"]))
+    rows = [r for r in every if settings(r) == mine]  # the table: this invocation's settings
     if not rows:
         raise SystemExit(f"no finished run under {ROOT.relative_to(REPO)}/")
     agg = aggregate(rows)
@@ -217,7 +244,7 @@ def main() -> None:
         f"\n\nmean ± sd over seeds; he = HumanEval, ho = held-out default prompts (first "
         f"{args.limit} each, max_new_tokens={args.max_new_tokens}); chain, DDTree-{TREE_BUDGET}"
         f" and n-gram τ from evaluate.py; equal budget for every recipe: {budget}")
-    write_result("quality", {"rows": rows, "aggregate": agg, "limit": args.limit,
+    write_result("quality", {"rows": every, "aggregate": agg, "limit": args.limit,
                              "max_new_tokens": args.max_new_tokens}, table)
 
 

@@ -59,14 +59,26 @@ def test_plateau_exit_step_from_the_csv(quality, tmp_path):
     assert quality.plateau_exit_step(tmp_path, "other") is None  # never logged: never left
 
 
-def test_recorded_rows_kept_only_for_the_same_settings(quality, tmp_path, monkeypatch):
+def test_recorded_rows_carry_their_settings(quality, tmp_path, monkeypatch):
     record = tmp_path / "quality.json"
     monkeypatch.setattr(quality, "RECORD", record)
-    assert quality.recorded_rows(40, 128, []) == []  # nothing recorded yet
-    rows = [{**_row("v5_hardce", 0, 10.0, 4.0, 5.0, 2.0)},
-            {**_row("v5_hardce", 1, 10.0, 4.0, 5.0, 2.0), "train_overrides": ["seed=3"]}]
+    assert quality.recorded_rows() == []  # nothing recorded yet
+    rows = [{**_row("v5_hardce", 0, 10.0, 4.0, 5.0, 2.0)},  # file-level settings
+            {**_row("v5_hardce", 1, 10.0, 4.0, 5.0, 2.0), "limit": 10, "max_new_tokens": 64,
+             "train_overrides": ["trainer.max_steps=40"]}]
     record.write_text(json.dumps({"rows": rows, "limit": 40, "max_new_tokens": 128}))
-    assert [r["seed"] for r in quality.recorded_rows(40, 128, [])] == [0]
-    assert [r["seed"] for r in quality.recorded_rows(40, 128, ["seed=3"])] == [1]
-    assert quality.recorded_rows(10, 128, []) == []  # other prompt settings: not comparable
+    got = quality.recorded_rows()
+    assert [quality.settings(r) for r in got] == [(40, 128, ()),
+                                                 (10, 64, ("trainer.max_steps=40",))]
     assert quality.base_recipe({"recipe": "multi_drafter/gamma4"}) == "multi_drafter"
+    default, other = (quality.run_dir_for("v5_hardce", 1, o) for o in ([], ["seed=9"]))
+    assert default.name == "v5_hardce_seed1" and other.name.startswith("v5_hardce_seed1_")
+
+
+def test_precision_read_from_the_resolved_config(quality, tmp_path):
+    assert quality.run_precision(tmp_path) is None  # no config: unknown, not guessed
+    (tmp_path / "config_resolved.yaml").write_text("trainer:\n  precision: bf16-mixed\n")
+    assert quality.run_precision(tmp_path) == "bf16-mixed"
+    rows = [{**_row("v5_hardce", s, 10.0, 4.0, 5.0, 2.0), "precision": p}
+            for s, p in ((0, "32-true"), (1, "bf16-mixed"), (2, "32-true"))]
+    assert quality.aggregate(rows)[0]["precision"] == "32-true+bf16-mixed"
