@@ -12,7 +12,8 @@ Size (the issue's "realistic CPU size"): vocab 4096, hidden 256, B=4, S=512, Bs=
 - ``+ blockwise``: the fused loss with the blockwise attention (on CPU torch's fused flash
   kernel over the context, the block part merged by log-sum-exp; ``attention=auto`` on CPU);
 - ``fused bf16 head`` (``+ bf16 autocast``): lm_head matmuls in bf16 (and the drafter body
-  under CPU bf16 autocast) — run only where ``dflash_lit.precision`` measures bf16 faster.
+  under CPU bf16 autocast) — run only where ``dflash_lit.precision`` measures bf16 faster;
+  ``fused bf16 + blockwise`` is what the default trains with on such a CPU.
 
 Also reports peak step memory (fresh subprocess per case, ru_maxrss growth) at 512 anchors,
 and each step's model FLOP/s (``bench/flops.py``) over the fp32 matmul peak measured in the
@@ -54,6 +55,9 @@ BF16_VARIANTS = {
     "fused bf16 head": dict(fused=True, head=torch.bfloat16, attn="dense", autocast=False),
     "fused bf16 head + bf16 autocast": dict(fused=True, head=torch.bfloat16, attn="dense",
                                             autocast=True),
+    # what the default trains with on such a CPU: bf16-mixed and attention=auto (blockwise)
+    "fused bf16 + blockwise (default here)": dict(fused=True, head=torch.bfloat16,
+                                                  attn="blockwise", autocast=True),
 }
 
 
