@@ -57,6 +57,9 @@ def base_overrides(tmp: Path, data: Path, val: Path | None = None) -> list[str]:
         "callbacks=minimal",
         "trainer.enable_progress_bar=false",
         "trainer.log_every_n_steps=1",
+        # fp32 everywhere: the default precision is measured per machine (bf16-mixed on CPUs
+        # with fast bf16) and these tests compare runs to fp32 tolerances
+        "trainer.precision=32-true",
         f"paths.log_dir={tmp}/outputs",
     ]
     return ov
