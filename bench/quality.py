@@ -98,6 +98,18 @@ def run_precision(run_dir: Path) -> str | None:
     return str(OmegaConf.load(cfg).trainer.precision)
 
 
+def fill_exit_step(row: dict) -> None:
+    """Add the exit step and precision to a row recorded before they were, from its run
+    directory, if that directory is still here, finished, and holds the same run (same final
+    val streak): a rerun in progress or another machine's run must not lend its figures."""
+    run_dir = run_dir_for(base_recipe(row), row["seed"], row["train_overrides"])
+    drafter = row["recipe"].split("/")[1] if "/" in row["recipe"] else "main"
+    if ("exit_step" not in row and (run_dir / "done.json").is_file()
+            and last_val(run_dir, drafter).get("streak") == row.get("val_streak")):
+        row["exit_step"] = plateau_exit_step(run_dir, drafter)
+        row["precision"] = run_precision(run_dir)
+
+
 def run_dir_for(recipe: str, seed: int, overrides: list[str]) -> Path:
     """``<recipe>_seed<s>``, plus a digest of the training overrides when there are any (a run
     under other overrides is another run)."""
@@ -227,12 +239,9 @@ def main() -> None:
     new = {(base_recipe(r), r["seed"]) for r in rows}
     kept = [r for r in recorded_rows()
             if settings(r) != mine or (base_recipe(r), r["seed"]) not in new]
-    for r in kept:  # recorded before exit steps were: fill in where the run is still here
-        csv_dir = run_dir_for(base_recipe(r), r["seed"], args.train_overrides) / "csv"
-        if settings(r) == mine and "exit_step" not in r and (csv_dir / "metrics.csv").is_file():
-            drafter = r["recipe"].split("/")[1] if "/" in r["recipe"] else "main"
-            r["exit_step"] = plateau_exit_step(csv_dir.parent, drafter)
-            r["precision"] = run_precision(csv_dir.parent)
+    for r in kept:
+        if settings(r) == mine:
+            fill_exit_step(r)
     order = {name: i for i, name in enumerate(RECIPES)}
     every = sorted(kept + rows, key=lambda r: (order[base_recipe(r)], r["recipe"], r["seed"]))
     rows = [r for r in every if settings(r) == mine]  # the table: this invocation's settings

@@ -82,3 +82,21 @@ def test_precision_read_from_the_resolved_config(quality, tmp_path):
     rows = [{**_row("v5_hardce", s, 10.0, 4.0, 5.0, 2.0), "precision": p}
             for s, p in ((0, "32-true"), (1, "bf16-mixed"), (2, "32-true"))]
     assert quality.aggregate(rows)[0]["precision"] == "32-true+bf16-mixed"
+
+
+def test_exit_step_filled_only_from_the_same_finished_run(quality, tmp_path, monkeypatch):
+    monkeypatch.setattr(quality, "ROOT", tmp_path)
+    run = tmp_path / "v5_hardce_seed1"
+    (run / "csv").mkdir(parents=True)
+    (run / "csv" / "metrics.csv").write_text(
+        "step,train_window/main/streak,val/main/streak\n0,0.5,\n40,3.5,\n60,,9.5\n")
+    (run / "config_resolved.yaml").write_text("trainer:\n  precision: bf16-mixed\n")
+    row = {**_row("v5_hardce", 1, 8.0, 3.0, 4.0, 2.0), "train_overrides": []}
+    quality.fill_exit_step(row)
+    assert "exit_step" not in row  # not finished: a rerun in progress
+    (run / "done.json").write_text("{}")
+    quality.fill_exit_step(row)
+    assert "exit_step" not in row  # finished, but its val streak (9.5) is another run's
+    row["val_streak"] = 9.5
+    quality.fill_exit_step(row)
+    assert row["exit_step"] == 40 and row["precision"] == "bf16-mixed"
