@@ -45,6 +45,7 @@ TREE_BUDGET = 16
 ROOT = REPO / "outputs" / "bench_quality"
 RECORD = REPO / "bench" / "results" / "quality.json"
 EXIT_STREAK = 3.0  # train streak that marks leaving the plateau (below 1 on it, ~9 past it)
+EXIT_WINDOW = 50  # logged steps the streak must average EXIT_STREAK over
 
 
 def base_recipe(row: dict) -> str:
@@ -79,13 +80,16 @@ def last_val(run_dir: Path, drafter: str) -> dict[str, float]:
 
 
 def plateau_exit_step(run_dir: Path, drafter: str) -> int | None:
-    """First training step whose windowed train streak reaches ``EXIT_STREAK`` (the step the
-    drafter left the copy-the-anchor plateau, where the streak sits below 1); None if never."""
+    """The step the drafter left the copy-the-anchor plateau: the first logged training step
+    from which its windowed train streak averages >= ``EXIT_STREAK`` over the next
+    ``EXIT_WINDOW`` logged steps (a single step past it can be a spike: a seed that drops
+    back to the plateau would otherwise read as an early exit); None if it never does."""
     with open(run_dir / "csv" / "metrics.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            v = row.get(f"train_window/{drafter}/streak")
-            if v not in (None, "") and float(v) >= EXIT_STREAK:
-                return int(row["step"])
+        series = [(int(row["step"]), float(row[key])) for row in csv.DictReader(f)
+                  if row.get(key := f"train_window/{drafter}/streak") not in (None, "")]
+    for i in range(len(series) - EXIT_WINDOW + 1):
+        if sum(v for _, v in series[i:i + EXIT_WINDOW]) >= EXIT_STREAK * EXIT_WINDOW:
+            return series[i][0]
     return None
 
 
@@ -99,12 +103,12 @@ def run_precision(run_dir: Path) -> str | None:
 
 
 def fill_exit_step(row: dict) -> None:
-    """Add the exit step and precision to a row recorded before they were, from its run
-    directory, if that directory is still here, finished, and holds the same run (same final
-    val streak): a rerun in progress or another machine's run must not lend its figures."""
+    """(Re)compute a recorded row's exit step and precision from its run directory, if that
+    directory is still here, finished, and holds the same run (same final val streak): a
+    rerun in progress or another machine's run must not lend its figures."""
     run_dir = run_dir_for(base_recipe(row), row["seed"], row["train_overrides"])
     drafter = row["recipe"].split("/")[1] if "/" in row["recipe"] else "main"
-    if ("exit_step" not in row and (run_dir / "done.json").is_file()
+    if ((run_dir / "done.json").is_file()
             and last_val(run_dir, drafter).get("streak") == row.get("val_streak")):
         row["exit_step"] = plateau_exit_step(run_dir, drafter)
         row["precision"] = run_precision(run_dir)

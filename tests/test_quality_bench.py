@@ -50,12 +50,15 @@ def test_exit_steps_listed_per_seed(quality):
     assert quality.aggregate(rows)[0]["exit_steps"] == "150/never/?"
 
 
-def test_plateau_exit_step_from_the_csv(quality, tmp_path):
+def test_plateau_exit_step_from_the_csv(quality, tmp_path, monkeypatch):
+    monkeypatch.setattr(quality, "EXIT_WINDOW", 3)
     (tmp_path / "csv").mkdir()
     lines = ["step,train_window/main/streak,val/main/acc",
-             "0,0.0,", "20,0.6,", "40,,0.3", "60,2.9,", "80,3.4,", "100,8.0,"]
+             "0,0.0,", "20,0.6,", "40,,0.3", "60,3.5,", "80,0.5,", "100,0.4,",  # 60: a spike
+             "120,2.9,", "140,3.4,", "160,8.0,", "180,9.0,"]
     (tmp_path / "csv" / "metrics.csv").write_text("\n".join(lines) + "\n")
-    assert quality.plateau_exit_step(tmp_path, "main") == 80
+    # windows of 3 logged steps: (2.9, 3.4, 8.0) is the first to average >= 3
+    assert quality.plateau_exit_step(tmp_path, "main") == 120
     assert quality.plateau_exit_step(tmp_path, "other") is None  # never logged: never left
 
 
@@ -88,6 +91,7 @@ def test_exit_step_filled_only_from_the_same_finished_run(quality, tmp_path, mon
     monkeypatch.setattr(quality, "ROOT", tmp_path)
     run = tmp_path / "v5_hardce_seed1"
     (run / "csv").mkdir(parents=True)
+    monkeypatch.setattr(quality, "EXIT_WINDOW", 1)
     (run / "csv" / "metrics.csv").write_text(
         "step,train_window/main/streak,val/main/streak\n0,0.5,\n40,3.5,\n60,,9.5\n")
     (run / "config_resolved.yaml").write_text("trainer:\n  precision: bf16-mixed\n")
