@@ -247,7 +247,11 @@ def main() -> None:
         if settings(r) == mine:
             fill_exit_step(r)
     order = {name: i for i, name in enumerate(RECIPES)}
-    every = sorted(kept + rows, key=lambda r: (order[base_recipe(r)], r["recipe"], r["seed"]))
+    def key(r: dict) -> tuple:  # recipes in RECIPES order, a recipe's drafters in theirs
+        name = r["recipe"].split("/")[1] if "/" in r["recipe"] else "main"
+        return order[base_recipe(r)], RECIPES[base_recipe(r)].index(name), r["seed"]
+
+    every = sorted(kept + rows, key=key)
     rows = [r for r in every if settings(r) == mine]  # the table: this invocation's settings
     if not rows:
         raise SystemExit(f"no finished run under {ROOT.relative_to(REPO)}/")
