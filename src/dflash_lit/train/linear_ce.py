@@ -145,7 +145,7 @@ def fused_hard_ce(
     loss, ce, pred_v = linear_cross_entropy(
         hidden[valid], weight, labels[valid], w_norm, chunk_rows, compute_dtype
     )
-    return _outputs(valid, loss, ce, pred_v, weight_sum)
+    return outputs_on_grid(valid, loss, ce, pred_v, weight_sum)
 
 
 def fused_dpace(
@@ -175,10 +175,10 @@ def fused_dpace(
     loss, ce, pred_v = linear_cross_entropy(
         hidden[valid], weight, labels[valid], weigh, chunk_rows, compute_dtype
     )
-    return _outputs(valid, loss, ce, pred_v, den["d"])
+    return outputs_on_grid(valid, loss, ce, pred_v, den["d"])
 
 
-def _outputs(valid: Tensor, loss: Tensor, ce: Tensor, pred_v: Tensor,
+def outputs_on_grid(valid: Tensor, loss: Tensor, ce: Tensor, pred_v: Tensor,
              weight_sum: Tensor) -> tuple[LossOutput, Tensor]:
     """The fused losses' returns: per-slot CE and argmax put back on the [B, N, Bs] grid."""
     per_slot = torch.zeros(valid.shape, dtype=torch.float32, device=ce.device)

@@ -32,6 +32,7 @@ from dflash_lit.model.layout import (
 from dflash_lit.model.target import FrozenTarget, TargetOutput
 from dflash_lit.train.anchors import fixed_anchors, sample_anchors, step_generator
 from dflash_lit.train.linear_ce import fused_dpace, fused_hard_ce, restrict_vocab
+from dflash_lit.train.linear_distill import forward_kl_terms, fused_forward_kl
 from dflash_lit.train.losses import DPaceLoss, HardCELoss, build_loss, resolve_argmax_labels
 from dflash_lit.train.metrics import DrafterMetrics, accuracy, streak
 from dflash_lit.train.optim import MUON_SUFFIX, build_optimizer, group_drafter
@@ -116,7 +117,8 @@ class DFlashModule(L.LightningModule):
         self.need_logits = any(loss.needs_target_logits for loss in self.losses.values())
         self.need_distribution = any(loss.needs_target_distribution
                                      for loss in self.losses.values())
-        # hard CE and D-PACE run fused with the frozen lm_head (linear_ce): matmuls in
+        # hard CE and D-PACE run fused with the frozen lm_head (linear_ce), as do the
+        # composite and forward-KL distillation (linear_distill): matmuls in
         # head_dtype (bf16 where the machine measures it faster), softmax/CE in fp32,
         # chunk_rows slots at a time
         self.head_dtype = head_dtype
@@ -227,6 +229,14 @@ class DFlashModule(L.LightningModule):
         loss = self.losses[name]
         if isinstance(loss, FUSED_LOSSES) and not need_logits:
             loss_out, pred = self._fused_ce(loss, hidden, layout.labels)
+            return pred, layout, loss_out
+        kl_terms = forward_kl_terms(loss)
+        if kl_terms is not None and out.logits is not None and not need_logits:
+            weight = self._target.lm_head.weight  # fused with the lm_head (linear_distill)
+            loss_out, pred = fused_forward_kl(
+                hidden.to(weight.dtype), weight, layout.labels, out.logits,
+                layout.target_positions(), **kl_terms, chunk_rows=self.loss_chunk_rows,
+                compute_dtype=self.head_dtype)
             return pred, layout, loss_out
         logits = self._target.lm_head(hidden.to(self._target.dtype))
         tgt = gather_target_logits(out.logits, layout) if out.logits is not None else None
