@@ -4,8 +4,8 @@ The composite (v3/v4) and ``distill`` with ``divergence=forward_kl`` need, per v
 the drafter's full distribution at two temperatures and the target's distribution at one.
 Run un-fused, that is the [B, N, Bs, V] drafter logits, the target's logits gathered to the
 same shape, and half a dozen [M, V] log-softmaxes, exponentials and masks kept for autograd:
-memory traffic, not arithmetic, sets the step time (the elementwise ops took ~70 % of a v4
-step on CPU, the matmuls 17 %). Here ``chunk_rows`` valid slots at a time go through
+memory traffic, not arithmetic, sets the step time (in a profile of a v4 step on CPU the
+elementwise ops took ~70 %, the matmuls 17 %). Here ``chunk_rows`` valid slots at a time go through
 logits → (CE, KL, argmax) → the gradient w.r.t. the hidden states, with the gradient written
 by hand (``W`` is frozen):
 
