@@ -83,10 +83,13 @@ def plateau_exit_step(run_dir: Path, drafter: str) -> int | None:
     """The step the drafter left the copy-the-anchor plateau: the first logged training step
     from which its windowed train streak averages >= ``EXIT_STREAK`` over the next
     ``EXIT_WINDOW`` logged steps (a single step past it can be a spike: a seed that drops
-    back to the plateau would otherwise read as an early exit); None if it never does."""
+    back to the plateau would otherwise read as an early exit); None if it never does, or if
+    the log does not start at step 0 (unknown)."""
     with open(run_dir / "csv" / "metrics.csv", newline="") as f:
         series = [(int(row["step"]), float(row[key])) for row in csv.DictReader(f)
                   if row.get(key := f"train_window/{drafter}/streak") not in (None, "")]
+    if not series or series[0][0] > 0:  # the log lost its start (a resume that overwrote it)
+        return None
     for i in range(len(series) - EXIT_WINDOW + 1):
         if sum(v for _, v in series[i:i + EXIT_WINDOW]) >= EXIT_STREAK * EXIT_WINDOW:
             return series[i][0]

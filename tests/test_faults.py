@@ -3,6 +3,7 @@ write, truncated checkpoints on disk. Every fault must leave a run that resumes 
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import subprocess
@@ -58,13 +59,25 @@ def _wait_for_line(p: subprocess.Popen, needle: str, timeout: float = 240) -> li
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, data):
+def straight_run(tmp_path_factory, data) -> Path:
     """The reference: STEPS steps without interruption (a subprocess, like every run here)."""
     tmp = tmp_path_factory.mktemp("straight")
     rc, out = _run(_overrides(tmp, data), tmp)
     assert rc == 0, out[-3000:]
     (run,) = _run_dirs(tmp)
-    return drafter_state(run / "checkpoints" / "last.ckpt")
+    return run
+
+
+@pytest.fixture(scope="module")
+def straight(straight_run):
+    return drafter_state(straight_run / "checkpoints" / "last.ckpt")
+
+
+def _logged_losses(run: Path) -> list[tuple[int, str]]:
+    """(step, train loss) of every CSV row that logged one, in file order."""
+    with open(run / "csv" / "metrics.csv", newline="") as f:
+        return [(int(r["step"]), r["train/main/loss"]) for r in csv.DictReader(f)
+                if r.get("train/main/loss")]
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
@@ -89,10 +102,12 @@ def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path, data, strai
         assert torch.equal(got[k], straight[k]), k
 
 
-def test_last_in_a_fixed_run_dir_starts_fresh_then_resumes_itself(tmp_path, data, straight):
+def test_last_in_a_fixed_run_dir_starts_fresh_then_resumes_itself(tmp_path, data, straight,
+                                                                 straight_run):
     """A cluster job script: the same command, `hydra.run.dir=DIR ckpt_path=last`, launched
     again after each pre-emption. The first launch has nothing to resume and starts fresh with
-    a warning; the relaunch continues DIR's own last.ckpt, bit-exactly."""
+    a warning; the relaunch continues DIR's own last.ckpt, bit-exactly, and DIR's metrics.csv
+    ends holding every step's loss once, equal to the uninterrupted run's."""
     job = tmp_path / "job"
     cmd = _overrides(tmp_path, data, f"hydra.run.dir={job}", "ckpt_path=last")
     p = _popen(cmd, tmp_path)
@@ -110,6 +125,7 @@ def test_last_in_a_fixed_run_dir_starts_fresh_then_resumes_itself(tmp_path, data
     assert got.keys() == straight.keys()
     for k in got:
         assert torch.equal(got[k], straight[k]), k
+    assert _logged_losses(job) == _logged_losses(straight_run)
     # strict: nothing to resume is an error (one line, before any training)
     empty = tmp_path / "empty_job"
     rc, out = _run(_overrides(tmp_path, data, f"hydra.run.dir={empty}", "ckpt_path=last",

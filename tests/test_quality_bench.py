@@ -60,6 +60,9 @@ def test_plateau_exit_step_from_the_csv(quality, tmp_path, monkeypatch):
     # windows of 3 logged steps: (2.9, 3.4, 8.0) is the first to average >= 3
     assert quality.plateau_exit_step(tmp_path, "main") == 120
     assert quality.plateau_exit_step(tmp_path, "other") is None  # never logged: never left
+    # a log that starts late (its beginning overwritten by a resume) gives no exit step
+    (tmp_path / "csv" / "metrics.csv").write_text("\n".join(lines[:1] + lines[5:]) + "\n")
+    assert quality.plateau_exit_step(tmp_path, "main") is None
 
 
 def test_recorded_rows_carry_their_settings(quality, tmp_path, monkeypatch):
