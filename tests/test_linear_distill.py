@@ -118,3 +118,16 @@ def test_module_fused_path_equals_materialised(tmp_path, features):
     torch.testing.assert_close(losses[0].per_slot_kl, losses[1].per_slot_kl, rtol=1e-4,
                                atol=1e-5)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+
+def test_enclosing_autocast_leaves_fp32_dtypes_alone():
+    """Training runs the loss under bf16 autocast; with an fp32 matmul dtype the fused loss
+    must still equal the fp32 reference (autocast would round the KL's dot products)."""
+    hidden, weight, labels, target, positions = _case(seed=4, d=32, v=200, topk=16)
+    target = target * 5  # large logits: bf16 rounding of Σ p·z would show
+    ref = composite_loss(hidden @ weight.T, labels, _gathered(target, positions))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = fused_forward_kl(hidden, weight, labels, target, positions, 10.0, 0.7, 0.3,
+                                  2.0, True, compute_dtype=torch.float32)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.per_slot_kl, ref.per_slot_kl, rtol=1e-4, atol=1e-5)

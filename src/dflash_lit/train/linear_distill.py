@@ -50,36 +50,39 @@ class _LinearForwardKL(torch.autograd.Function):
         pred = torch.empty(m, dtype=torch.long, device=hidden.device)
         grad = torch.empty_like(hidden)
         wc = weight.to(compute_dtype)
-        for s in range(0, m, chunk_rows):
-            e = min(s + chunk_rows, m)
-            z = (hidden[s:e].to(compute_dtype) @ wc.T).float()  # [c, V]
-            y = labels[s:e, None]
-            top, pred[s:e] = z.max(-1)
-            picked = z.gather(1, y).squeeze(1)
-            # the target at T: log p, and Σ p·log p with 0·log 0 = 0 (p = 0 off a top-k)
-            log_p = torch.log_softmax(target[rows_b[s:e], rows_s[s:e]].float() / t, dim=-1)
-            p = log_p.exp()
-            neg_entropy = log_p.mul_(p).nan_to_num_(nan=0.0).sum(-1)
-            # the drafter at T: KL = Σ p·log p − Σ p·z/T + logsumexp(z/T)  (Σ p = 1)
-            q = (z - top[:, None]).div_(t).exp_()  # unnormalised softmax(z/T)
-            total_t = q.sum(-1)
-            lse_t = top / t + total_t.log()
-            kl[s:e] = neg_entropy - torch.linalg.vecdot(p, z) / t + lse_t
-            # d/dz = a·T·(q_T − p) + b·(softmax(z) − onehot), built in q's buffer
-            if t == 1.0:  # softmax(z) is q_T
-                ce[s:e] = top + total_t.log() - picked
-                q.mul_(((a + b) / total_t)[:, None])
-            else:
-                probs = z.sub_(top[:, None]).exp_()  # unnormalised softmax(z), in z's buffer
-                total = probs.sum(-1)
-                ce[s:e] = top + total.log() - picked
-                q.mul_((a * t / total_t)[:, None])
+        # dtypes are set here, not by an enclosing autocast (which would run the KL's
+        # Σ p·z dot products in bf16)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, m, chunk_rows):
+                e = min(s + chunk_rows, m)
+                z = (hidden[s:e].to(compute_dtype) @ wc.T).float()  # [c, V]
+                y = labels[s:e, None]
+                top, pred[s:e] = z.max(-1)
+                picked = z.gather(1, y).squeeze(1)
+                # the target at T: log p, and Σ p·log p with 0·log 0 = 0 (p = 0 off a top-k)
+                log_p = torch.log_softmax(target[rows_b[s:e], rows_s[s:e]].float() / t, dim=-1)
+                p = log_p.exp()
+                neg_entropy = log_p.mul_(p).nan_to_num_(nan=0.0).sum(-1)
+                # the drafter at T: KL = Σ p·log p − Σ p·z/T + logsumexp(z/T)  (Σ p = 1)
+                q = (z - top[:, None]).div_(t).exp_()  # unnormalised softmax(z/T)
+                total_t = q.sum(-1)
+                lse_t = top / t + total_t.log()
+                kl[s:e] = neg_entropy - torch.linalg.vecdot(p, z) / t + lse_t
+                # d/dz = a·T·(q_T − p) + b·(softmax(z) − onehot), built in q's buffer
+                if t == 1.0:  # softmax(z) is q_T
+                    ce[s:e] = top + total_t.log() - picked
+                    q.mul_(((a + b) / total_t)[:, None])
+                else:
+                    probs = z.sub_(top[:, None]).exp_()  # unnormalised softmax(z), in z's buffer
+                    total = probs.sum(-1)
+                    ce[s:e] = top + total.log() - picked
+                    q.mul_((a * t / total_t)[:, None])
+                    if b:
+                        q.add_(probs.mul_((b / total)[:, None]))
+                q.sub_(p.mul_(a * t))
                 if b:
-                    q.add_(probs.mul_((b / total)[:, None]))
-            q.sub_(p.mul_(a * t))
-            if b:
-                q.scatter_add_(1, y, torch.full_like(total_t, -b)[:, None])
-            grad[s:e] = (q.to(compute_dtype) @ wc).to(hidden.dtype)
+                    q.scatter_add_(1, y, torch.full_like(total_t, -b)[:, None])
+                grad[s:e] = (q.to(compute_dtype) @ wc).to(hidden.dtype)
         kl.mul_(t * t)
         w = weigh(ce).float()
         grad.mul_(w[:, None].to(grad.dtype))
