@@ -46,6 +46,7 @@ ROOT = REPO / "outputs" / "bench_quality"
 RECORD = REPO / "bench" / "results" / "quality.json"
 EXIT_STREAK = 3.0  # train streak that marks leaving the plateau (below 1 on it, ~9 past it)
 EXIT_WINDOW = 50  # logged steps the streak must average EXIT_STREAK over
+SLOTS_SHOWN = (1, 2, 3, 4, 8, 15)  # slots of the per-slot chain acceptance table
 
 
 def base_recipe(row: dict) -> str:
@@ -105,16 +106,26 @@ def run_precision(run_dir: Path) -> str | None:
     return str(OmegaConf.load(cfg).trainer.precision)
 
 
+def chain_slot_rates(report: dict) -> list[float]:
+    """P(slot k accepted | slots 1..k-1 accepted), k = 1..Bs-1, of an evaluation's chain."""
+    return list(report["methods"]["chain"]["slot_accept_rate"])
+
+
 def fill_exit_step(row: dict) -> None:
-    """(Re)compute a recorded row's exit step and precision from its run directory, if that
-    directory is still here, finished, and holds the same run (same final val streak): a
-    rerun in progress or another machine's run must not lend its figures."""
+    """(Re)compute a recorded row's exit step and precision, and add its per-slot chain
+    acceptance when missing, from its run directory, if that directory is still here,
+    finished, and holds the same run (same final val streak): a rerun in progress or another
+    machine's run must not lend its figures."""
     run_dir = run_dir_for(base_recipe(row), row["seed"], row["train_overrides"])
     drafter = row["recipe"].split("/")[1] if "/" in row["recipe"] else "main"
     if ((run_dir / "done.json").is_file()
             and last_val(run_dir, drafter).get("streak") == row.get("val_streak")):
         row["exit_step"] = plateau_exit_step(run_dir, drafter)
         row["precision"] = run_precision(run_dir)
+        for prompts, tag in PROMPT_SETS.items():
+            rep = run_dir / "eval" / f"{prompts}_{drafter}" / "report.json"
+            if f"{tag}_chain_slots" not in row and rep.is_file():
+                row[f"{tag}_chain_slots"] = chain_slot_rates(json.loads(rep.read_text()))
 
 
 def run_dir_for(recipe: str, seed: int, overrides: list[str]) -> Path:
@@ -170,6 +181,7 @@ def run_row(recipe: str, drafter: str, seed: int, run_dir: Path, limit: int, max
         row[f"{tag}_tree{TREE_BUDGET}"] = rep["tau_tree"].get(str(TREE_BUDGET))
         row[f"{tag}_ngram"] = rep["tau_ngram"]
         row[f"{tag}_lossless"] = rep["lossless"]
+        row[f"{tag}_chain_slots"] = chain_slot_rates(rep)
     return row
 
 
@@ -206,6 +218,18 @@ def aggregate(rows: list[dict]) -> list[dict]:
                 agg[f"{t}_chain_vs_v5"] = mean_sd([r[f"{t}_chain"] / base for r in rs])
         out.append(agg)
     return out
+
+
+def slot_table(rows: list[dict], tag: str = "he") -> list[dict]:
+    """Per recipe (and drafter), mean ± sd over seeds of the chain's conditional acceptance at
+    the ``SLOTS_SHOWN`` slots, over the rows that recorded it."""
+    by: dict[str, list[list[float]]] = {}
+    for r in rows:
+        if r.get(f"{tag}_chain_slots"):
+            by.setdefault(r["recipe"], []).append(r[f"{tag}_chain_slots"])
+    return [{"recipe": recipe, "seeds": len(rs),
+             **{f"slot{k}": mean_sd([s[k - 1] for s in rs if len(s) >= k]) for k in SLOTS_SHOWN}}
+            for recipe, rs in by.items()]
 
 
 def main() -> None:
@@ -258,14 +282,17 @@ def main() -> None:
     rows = [r for r in every if settings(r) == mine]  # the table: this invocation's settings
     if not rows:
         raise SystemExit(f"no finished run under {ROOT.relative_to(REPO)}/")
-    agg = aggregate(rows)
+    agg, slots = aggregate(rows), slot_table(rows)
     budget = " ".join(args.train_overrides) or "budget=tiny (the default)"
     table = fmt_table(agg) + (
         f"\n\nmean ± sd over seeds; he = HumanEval, ho = held-out default prompts (first "
         f"{args.limit} each, max_new_tokens={args.max_new_tokens}); chain, DDTree-{TREE_BUDGET}"
         f" and n-gram τ from evaluate.py; equal budget for every recipe: {budget}")
-    write_result("quality", {"rows": every, "aggregate": agg, "limit": args.limit,
-                             "max_new_tokens": args.max_new_tokens}, table)
+    if slots:
+        table += ("\n\n" + fmt_table(slots) + "\n\nHumanEval chain: P(slot k accepted | "
+                  "slots 1..k-1 accepted), mean ± sd over the seeds that recorded it")
+    write_result("quality", {"rows": every, "aggregate": agg, "chain_slots": slots,
+                             "limit": args.limit, "max_new_tokens": args.max_new_tokens}, table)
 
 
 if __name__ == "__main__":

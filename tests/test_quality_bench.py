@@ -105,5 +105,20 @@ def test_exit_step_filled_only_from_the_same_finished_run(quality, tmp_path, mon
     quality.fill_exit_step(row)
     assert "exit_step" not in row  # finished, but its val streak (9.5) is another run's
     row["val_streak"] = 9.5
+    (run / "eval" / "humaneval_main").mkdir(parents=True)
+    (run / "eval" / "humaneval_main" / "report.json").write_text(
+        json.dumps({"methods": {"chain": {"slot_accept_rate": [0.8, 0.5]}}}))
     quality.fill_exit_step(row)
     assert row["exit_step"] == 40 and row["precision"] == "bf16-mixed"
+    assert row["he_chain_slots"] == [0.8, 0.5] and "ho_chain_slots" not in row
+
+
+def test_slot_table_means_per_slot_over_the_seeds_that_recorded_it(quality, monkeypatch):
+    monkeypatch.setattr(quality, "SLOTS_SHOWN", (1, 2))
+    rows = [{"recipe": "a", "he_chain_slots": [0.8, 0.4]},
+            {"recipe": "a", "he_chain_slots": [0.6, 0.2]},
+            {"recipe": "a"},  # recorded before per-slot acceptance was: left out
+            {"recipe": "b", "he_chain_slots": [0.9, 0.7]}]
+    assert quality.slot_table(rows) == [
+        {"recipe": "a", "seeds": 2, "slot1": "0.70 ± 0.14", "slot2": "0.30 ± 0.14"},
+        {"recipe": "b", "seeds": 1, "slot1": "0.90", "slot2": "0.70"}]
