@@ -84,17 +84,25 @@ def plateau_exit_step(run_dir: Path, drafter: str) -> int | None:
     """The step the drafter left the copy-the-anchor plateau: the first logged training step
     from which its windowed train streak averages >= ``EXIT_STREAK`` over the next
     ``EXIT_WINDOW`` logged steps (a single step past it can be a spike: a seed that drops
-    back to the plateau would otherwise read as an early exit); None if it never does, or if
-    the log does not start at step 0 (unknown)."""
+    back to the plateau would otherwise read as an early exit); None if it never does.
+    LookupError if the log does not start at step 0: the exit step is unknown."""
     with open(run_dir / "csv" / "metrics.csv", newline="") as f:
         series = [(int(row["step"]), float(row[key])) for row in csv.DictReader(f)
                   if row.get(key := f"train_window/{drafter}/streak") not in (None, "")]
-    if not series or series[0][0] > 0:  # the log lost its start (a resume that overwrote it)
-        return None
+    if series and series[0][0] > 0:  # the log lost its start (a resume that overwrote it)
+        raise LookupError(f"{run_dir}: the training log starts at step {series[0][0]}")
     for i in range(len(series) - EXIT_WINDOW + 1):
         if sum(v for _, v in series[i:i + EXIT_WINDOW]) >= EXIT_STREAK * EXIT_WINDOW:
             return series[i][0]
     return None
+
+
+def exit_step_entry(run_dir: Path, drafter: str) -> dict:
+    """``{"exit_step": step or None}``, or ``{}`` when the log cannot tell (shown as ``?``)."""
+    try:
+        return {"exit_step": plateau_exit_step(run_dir, drafter)}
+    except LookupError:
+        return {}
 
 
 def run_precision(run_dir: Path) -> str | None:
@@ -120,7 +128,8 @@ def fill_exit_step(row: dict) -> None:
     drafter = row["recipe"].split("/")[1] if "/" in row["recipe"] else "main"
     if ((run_dir / "done.json").is_file()
             and last_val(run_dir, drafter).get("streak") == row.get("val_streak")):
-        row["exit_step"] = plateau_exit_step(run_dir, drafter)
+        row.pop("exit_step", None)
+        row.update(exit_step_entry(run_dir, drafter))
         row["precision"] = run_precision(run_dir)
         for prompts, tag in PROMPT_SETS.items():
             rep = run_dir / "eval" / f"{prompts}_{drafter}" / "report.json"
@@ -171,7 +180,7 @@ def run_row(recipe: str, drafter: str, seed: int, run_dir: Path, limit: int, max
     evaluation is missing and ``evaluate_missing`` is off."""
     row = {"recipe": recipe if drafter == "main" else f"{recipe}/{drafter}", "seed": seed,
            **{f"val_{k}": v for k, v in last_val(run_dir, drafter).items()},
-           "exit_step": plateau_exit_step(run_dir, drafter), "precision": run_precision(run_dir)}
+           **exit_step_entry(run_dir, drafter), "precision": run_precision(run_dir)}
     for prompts, tag in PROMPT_SETS.items():
         if not evaluate_missing and not (run_dir / "eval" / f"{prompts}_{drafter}" /
                                          "report.json").is_file():

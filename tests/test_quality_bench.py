@@ -60,9 +60,13 @@ def test_plateau_exit_step_from_the_csv(quality, tmp_path, monkeypatch):
     # windows of 3 logged steps: (2.9, 3.4, 8.0) is the first to average >= 3
     assert quality.plateau_exit_step(tmp_path, "main") == 120
     assert quality.plateau_exit_step(tmp_path, "other") is None  # never logged: never left
-    # a log that starts late (its beginning overwritten by a resume) gives no exit step
+    assert quality.exit_step_entry(tmp_path, "main") == {"exit_step": 120}
+    # a log that starts late (its beginning overwritten by a resume) cannot tell: "?"
     (tmp_path / "csv" / "metrics.csv").write_text("\n".join(lines[:1] + lines[5:]) + "\n")
-    assert quality.plateau_exit_step(tmp_path, "main") is None
+    with pytest.raises(LookupError, match="starts at step 80"):
+        quality.plateau_exit_step(tmp_path, "main")
+    assert quality.exit_step_entry(tmp_path, "main") == {}
+    assert quality.aggregate([{**_row("v5_hardce", 0, 9.0, 3.0, 4.0, 2.0)}])[0]["exit_steps"] == "?"
 
 
 def test_recorded_rows_carry_their_settings(quality, tmp_path, monkeypatch):
