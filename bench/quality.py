@@ -115,7 +115,7 @@ def run_precision(run_dir: Path) -> str | None:
 
 
 def chain_slot_rates(report: dict) -> list[float]:
-    """P(slot k accepted | slots 1..k-1 accepted), k = 1..Bs-1, of an evaluation's chain."""
+    """Share of an evaluation's chain steps that accepted slots 1..k, k = 1..Bs-1."""
     return list(report["methods"]["chain"]["slot_accept_rate"])
 
 
@@ -230,8 +230,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 
 def slot_table(rows: list[dict], tag: str = "he") -> list[dict]:
-    """Per recipe (and drafter), mean ± sd over seeds of the chain's conditional acceptance at
-    the ``SLOTS_SHOWN`` slots, over the rows that recorded it."""
+    """Per recipe (and drafter), mean ± sd over seeds of the share of chain steps that
+    accepted slots 1..k, at the ``SLOTS_SHOWN`` slots, over the rows that recorded it."""
     by: dict[str, list[list[float]]] = {}
     for r in rows:
         if r.get(f"{tag}_chain_slots"):
@@ -298,8 +298,8 @@ def main() -> None:
         f"{args.limit} each, max_new_tokens={args.max_new_tokens}); chain, DDTree-{TREE_BUDGET}"
         f" and n-gram τ from evaluate.py; equal budget for every recipe: {budget}")
     if slots:
-        table += ("\n\n" + fmt_table(slots) + "\n\nHumanEval chain: P(slot k accepted | "
-                  "slots 1..k-1 accepted), mean ± sd over the seeds that recorded it")
+        table += ("\n\n" + fmt_table(slots) + "\n\nHumanEval chain: share of drafting steps that "
+                  "accepted slots 1..k, mean ± sd over the seeds that recorded it")
     write_result("quality", {"rows": every, "aggregate": agg, "chain_slots": slots,
                              "limit": args.limit, "max_new_tokens": args.max_new_tokens}, table)
 
