@@ -418,7 +418,7 @@ def resume_check(dev: torch.device, work: Path, steps: int = 20) -> dict[str, An
     runs = launch({"straight": run_dir("straight"),
                    "first_half": [*run_dir("resumed"), "+callbacks.cut._target_=gpu_check.SigtermAt",
                                   f"+callbacks.cut.step={steps // 2 - 1}"]}, work, env)
-    cut = (torch.load(last("resumed"), map_location="cpu", weights_only=False)["global_step"]
+    cut = (torch.load(last("resumed"), map_location="cpu", weights_only=True)["global_step"]
            if last("resumed").is_file() else None)
     runs |= launch({"resume": [*run_dir("resumed"), "ckpt_path=last"],
                     "straight_again": run_dir("straight_again")}, work, env)

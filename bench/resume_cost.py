@@ -53,7 +53,7 @@ def nbytes(obj) -> int:
 
 
 def size_split(ckpt: Path) -> dict[str, float]:
-    c = torch.load(ckpt, map_location="cpu", weights_only=False)
+    c = torch.load(ckpt, map_location="cpu", weights_only=True)
     weights = sum(nbytes(v) for k, v in c["state_dict"].items() if k.startswith("drafters."))
     optim = nbytes(c.get("optimizer_states", []))
     total = ckpt.stat().st_size

@@ -180,7 +180,7 @@ def newest_last_ckpt(root: Path) -> Path | None:
 def ckpt_step(path: Path | None) -> int:
     if path is None:
         return -1
-    return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+    return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
 
 
 def _tensors(obj, prefix: str = ""):
@@ -197,8 +197,8 @@ def _tensors(obj, prefix: str = ""):
 
 def compare_checkpoints(a: Path, b: Path) -> dict:
     """Leaf-by-leaf equality of weights, optimizer moments, LR schedulers and the step."""
-    ca = torch.load(a, map_location="cpu", weights_only=False)
-    cb = torch.load(b, map_location="cpu", weights_only=False)
+    ca = torch.load(a, map_location="cpu", weights_only=True)
+    cb = torch.load(b, map_location="cpu", weights_only=True)
     parts = {"state_dict": "weights", "optimizer_states": "optimizer", "lr_schedulers": "lr"}
     out: dict = {"global_step": [ca["global_step"], cb["global_step"]]}
     for key, name in parts.items():

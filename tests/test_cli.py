@@ -84,3 +84,42 @@ def test_evaluate_unknown_prompt_set_and_regenerate_missing_target(tmp_path):
     assert_one_line_error(
         run_entry("regenerate.py", [f"target.path={tmp_path / 'none'}", run], tmp_path),
         rf"^error: target.path: {tmp_path / 'none'} does not exist; pass target.path=")
+
+
+class _RunsCode:
+    """Unpickling this runs ``touch <marker>`` (what a malicious checkpoint would do)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_by_every_entry_point(tmp_path, data,
+                                                                           weightless_target):
+    import torch
+
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "x": _RunsCode(marker)}, evil)
+    refused = (rf"={evil}: refused: it holds a pickled posix.system, which could run code when "
+               r"loaded .* only if you trust its source, pass trust_checkpoint=true$")
+    run = f"hydra.run.dir={tmp_path / 'run'}"
+    assert_one_line_error(run_entry("export.py", [f"ckpt={evil}", f"out={tmp_path / 'o'}", run],
+                                    tmp_path), r"^error: ckpt" + refused)
+    assert_one_line_error(run_entry("evaluate.py", [f"ckpt={evil}", "prompts=tiny_heldout", run],
+                                    tmp_path), r"^error: ckpt" + refused)
+    args = base_overrides(tmp_path, data) + [f"target.path={weightless_target}", "target.build=null",
+                                             "target.mask_token_id=3", f"ckpt_path={evil}"]
+    assert_one_line_error(run_entry("train.py", args, tmp_path), r"^error: ckpt_path" + refused)
+    assert not marker.exists()  # no entry point ran the file's code
+
+
+def test_a_drafter_dir_with_a_malformed_config_is_one_line(tmp_path):
+    d = tmp_path / "drafter"
+    d.mkdir()
+    (d / "config.json").write_text("[1, 2]")
+    run = f"hydra.run.dir={tmp_path / 'run'}"
+    assert_one_line_error(run_entry("export.py", [f"ckpt={d}", f"out={tmp_path / 'o'}", run], tmp_path),
+                          rf"^error: {d / 'config.json'}: not a DFlash drafter config \(")

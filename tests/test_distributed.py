@@ -61,6 +61,27 @@ def test_two_process_ddp_trains_shards_syncs_and_resumes_exactly(tmp_path, data)
     # the resumed ranks trained on exactly the rows the straight ranks saw after step 3
     n0 = len(r0["rows"]) - len(q0["rows"])
     assert q0["rows"] == r0["rows"][n0:] and q1["rows"] == r1["rows"][len(r1["rows"]) - len(q1["rows"]):]
+    # onto one process: refused before training, naming both world sizes
+    one = [o for o in _ddp(tmp_path, data, tmp_path / "rec_one", f"ckpt_path={ckpt}")
+           if o != "trainer=ddp_cpu"]
+    p = _run(one, tmp_path)
+    err = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(err) == 1, p.stderr[-3000:]
+    assert f"ckpt_path={ckpt}: saved with world size 2, this run has world size 1 " in err[0]
+    assert "resume with 2 processes" in err[0]
+    assert not (tmp_path / "rec_one").exists()  # no training step ran
+
+
+def test_a_one_process_checkpoint_is_refused_by_two_processes(tmp_path, data):
+    one = [o for o in _ddp(tmp_path, data, tmp_path / "rec_one") if o != "trainer=ddp_cpu"]
+    p = _run(one, tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    ckpt = next((tmp_path / "outputs").glob("*/*/checkpoints/last.ckpt"))
+    p = _run(_ddp(tmp_path, data, tmp_path / "rec_two", f"ckpt_path={ckpt}"), tmp_path)
+    err = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(err) == 1, p.stderr[-3000:]
+    assert "saved with world size 1, this run has world size 2 " in err[0]
+    assert not (tmp_path / "rec_two").exists()
 
 
 def test_a_failing_rank_ends_the_run_with_its_error(tmp_path, data):

@@ -260,3 +260,24 @@ def test_real_train_checkpoint_evaluates_and_exports(tmp_path):
     assert 1.0 <= a["tau_chain"] <= 8.0 and a["tau_tree"]["4"] >= 1.0  # Bs = 8 in base_overrides
     assert a["tau_chain"] == b["tau_chain"] and a["tau_tree"] == b["tau_tree"]
     assert a["settings"]["max_new_tokens"] == 24 and a["num_prompts"] == 2 and a["block_size"] == 8
+
+
+def test_trust_checkpoint_is_the_only_way_to_unpickle_objects(tmp_path):
+    """A legacy file holding a harmless object (an OmegaConf config) is refused by the safe load
+    with one line naming the object, and loads with ``trust=True`` (with a warning)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from dflash_lit.checkpoint import safe_load
+    from dflash_lit.errors import UserError
+
+    f = tmp_path / "legacy.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "cfg": OmegaConf.create({"lr": 1e-3})}, f)
+    with pytest.raises(UserError, match=r"refused: it holds a pickled omegaconf\.dictconfig\.DictConfig"):
+        safe_load(f)
+    with pytest.warns(UserWarning, match="trust_checkpoint=true"):
+        ck = safe_load(f, trust=True)
+    assert ck["cfg"].lr == 1e-3 and torch.equal(ck["state_dict"]["w"], torch.ones(2))
+    plain = tmp_path / "plain.ckpt"  # what dflash-lit writes loads without any opt-in
+    torch.save({"state_dict": {"w": torch.ones(2)}, "dflash": {"version": 1}}, plain)
+    assert safe_load(plain)["dflash"] == {"version": 1}

@@ -90,7 +90,7 @@ def test_signal_saves_at_step_boundary_and_resume_is_exact(tmp_path, data, strai
     assert p.returncode == 0, out[-3000:]  # a clean exit, not a crash
     assert f"{sig} received: saved" in out
     (run,) = _run_dirs(tmp_path)
-    ck = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ck = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert 5 <= ck["global_step"] < STEPS  # stopped early, at a step boundary
     rc, out = _run(ov + ["ckpt_path=last"], tmp_path)  # the SLURM requeue / user restart
     assert rc == 0, out[-3000:]
@@ -157,7 +157,7 @@ def test_sigkill_during_checkpoint_write_leaves_loadable_checkpoints(tmp_path, d
     finished = sorted(ckdir.glob("*.ckpt"))
     assert any(f.name == "last.ckpt" for f in finished)
     for f in finished:  # ... but every real checkpoint name holds a complete checkpoint
-        torch.load(f, map_location="cpu", weights_only=False)
+        torch.load(f, map_location="cpu", weights_only=True)
     partial = list(ckdir.glob(".*.tmp-*"))
     rc, out = _run(ov + ["ckpt_path=last"], tmp_path)
     assert rc == 0, out[-3000:]
@@ -231,7 +231,7 @@ def test_checkpoint_write_failure_is_clear_and_keeps_earlier_checkpoints(tmp_pat
     resumed = max(_run_dirs(tmp_path), key=lambda d: d.name)
     assert not list((resumed / "checkpoints").glob(".*.tmp-*"))  # no temporary left behind
     assert last.read_bytes() == before  # the earlier run's checkpoint is untouched
-    torch.load(last, map_location="cpu", weights_only=False)
+    torch.load(last, map_location="cpu", weights_only=True)
 
 
 def test_shard_write_failure_keeps_finished_shards_and_rerun_completes(tmp_path):

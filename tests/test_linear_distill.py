@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_linear_ce import _case as ce_case
 
 from dflash_lit.model.layout import IGNORE
 from dflash_lit.train.linear_distill import fused_forward_kl
@@ -13,12 +14,9 @@ from dflash_lit.train.losses import composite_loss, distill_loss
 
 
 def _case(seed=0, b=2, n=3, bs=5, d=16, v=50, s=12, topk=None):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(b, n, bs, d, generator=g)
-    weight = torch.randn(v, d, generator=g) * 0.5
-    labels = torch.randint(0, v, (b, n, bs), generator=g)
-    labels[0, 1, 3:] = IGNORE  # past the end
-    labels[1, 2] = IGNORE  # an invalid block
+    """test_linear_ce's case plus the target's logits [B, S, V] and each slot's position."""
+    hidden, weight, labels = ce_case(seed, b, n, bs, d, v)
+    g = torch.Generator().manual_seed(seed + 1000)
     target = torch.randn(b, s, v, generator=g) * 2
     if topk is not None:  # what a feature cache keeps: the top-k logits, -inf elsewhere
         vals, ids = target.topk(topk, dim=-1)

@@ -82,7 +82,7 @@ def test_train_two_steps_then_export_and_evaluate(tmp_path):
     _, cfg = run_train(ov, tmp_path / "run")
     assert cfg.target.build.kind == "tiny_llama"
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    meta = torch.load(ckpt, map_location="cpu", weights_only=False)
+    meta = torch.load(ckpt, map_location="cpu", weights_only=True)
     assert meta["global_step"] == 2
     assert meta["dflash"]["target"]["model_type"] == "llama"
     assert not [k for k in meta["state_dict"] if "embed_tokens" in k or "lm_head" in k

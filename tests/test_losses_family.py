@@ -454,7 +454,7 @@ def test_dpace_trains_three_drafters_through_train_py(tmp_path):
         vals = [float(r[f"train/{n}/loss"]) for r in rows if r.get(f"train/{n}/loss")]
         assert len(vals) == 3 and all(0 < v < 20 for v in vals), (n, vals)
     ck = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu",
-                    weights_only=False)
+                    weights_only=True)
     saved = {n: ck["dflash"]["drafters"][n]["loss"] for n in names}
     assert {s["name"] for s in saved.values()} == {"dpace"}
     assert [saved[n]["gamma"] for n in names] == [4.0, 7.0, 10.0]

@@ -183,7 +183,7 @@ def test_resume_is_bit_exact_with_muon_and_several_drafters(tmp_path, data):
     a, b = drafter_state(last_a), drafter_state(last_b)
     assert sorted({k.split(".")[1] for k in a}) == ["fast", "main"]
     assert all(torch.equal(a[k], b[k]) for k in a)
-    ca, cb = (torch.load(p, weights_only=False) for p in (last_a, last_b))
+    ca, cb = (torch.load(p, weights_only=True) for p in (last_a, last_b))
     assert ca["dflash"]["optimizer"] == "muon"
     oa, ob = ca["optimizer_states"][0], cb["optimizer_states"][0]
     assert [(g["name"], g["kind"]) for g in oa["param_groups"]] == [

@@ -105,7 +105,7 @@ def test_regenerate_train_evaluate(target_dir, tmp_path):
     ]
     run_train(ov, tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    meta = torch.load(ckpt, map_location="cpu", weights_only=False)
+    meta = torch.load(ckpt, map_location="cpu", weights_only=True)
     assert meta["global_step"] == 2
     drafter_cfg = meta["dflash"]["drafters"]["main"]["config"]
     assert drafter_cfg["target_layer_ids"] == [1, 8, 14, 21]

@@ -53,7 +53,7 @@ def test_resume_is_bit_exact_three_drafters_mid_epoch(tmp_path, data):
     ckpts = tmp_path / "straight" / "checkpoints"
     mid = ckpts / "step0000004.ckpt"
     assert mid.is_file(), sorted(p.name for p in ckpts.iterdir())
-    meta = torch.load(mid, map_location="cpu", weights_only=False)
+    meta = torch.load(mid, map_location="cpu", weights_only=True)
     progress = meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     # the cut is inside epoch 0, not on its boundary: 4 batches in, more to come
     assert meta["epoch"] == 0 and progress["current"]["ready"] == 4
@@ -65,9 +65,9 @@ def test_resume_is_bit_exact_three_drafters_mid_epoch(tmp_path, data):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     # every drafter's Adam moments continue exactly too
-    oa = torch.load(ckpts / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    oa = torch.load(ckpts / "last.ckpt", weights_only=True)["optimizer_states"][0]["state"]
     ob = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt",
-                    weights_only=False)["optimizer_states"][0]["state"]
+                    weights_only=True)["optimizer_states"][0]["state"]
     assert oa.keys() == ob.keys() and len(oa) == len(a)
     for i in oa:
         assert torch.equal(oa[i]["exp_avg"], ob[i]["exp_avg"])
@@ -85,7 +85,7 @@ def test_checkpoint_holds_drafters_and_optimizer_not_target(tmp_path, data):
     train, val = data
     ov = base_overrides(tmp_path, train, val) + ["experiment=multi_drafter", "trainer.max_steps=2"]
     run_train(ov, tmp_path / "run")
-    ck = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    ck = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     keys = ck["state_dict"].keys()
     assert all(k.startswith(("drafters.", "train_metrics.", "val_metrics.", "val_plateau."))
                for k in keys)
@@ -205,7 +205,7 @@ def test_hybrid_gated_deltanet_target_trains(tmp_path, data):
     rows = [r for r in _metrics(tmp_path / "run") if r.get("train/main/loss")]
     assert len(rows) == 3 and all(0 < float(r["train/main/loss"]) < 20 for r in rows)
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    meta = torch.load(ckpt, map_location="cpu", weights_only=False)["dflash"]
+    meta = torch.load(ckpt, map_location="cpu", weights_only=True)["dflash"]
     assert meta["target"]["model_type"].startswith("qwen3_5")
 
 
@@ -283,7 +283,7 @@ def test_nonfinite_stretch_stops_with_a_checkpoint_of_the_last_good_state(tmp_pa
     assert steps[4]["digest"] == steps[2]["digest"] != steps[5]["digest"]  # skips change nothing
 
     ck = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu",
-                    weights_only=False)
+                    weights_only=True)
     assert ck["global_step"] == 11
     assert ck["dflash"]["nonfinite_total"] == 5 and ck["dflash"]["nonfinite_in_row"] == 3
     weights = {k.removeprefix("drafters."): v for k, v in ck["state_dict"].items()
@@ -295,7 +295,7 @@ def test_nonfinite_stretch_stops_with_a_checkpoint_of_the_last_good_state(tmp_pa
         f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}"]
     run_train(ov_resume, tmp_path / "resumed")
     ck = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", map_location="cpu",
-                    weights_only=False)
+                    weights_only=True)
     assert ck["global_step"] == 16 and ck["dflash"]["nonfinite_total"] == 5
     assert ck["dflash"]["nonfinite_in_row"] == 0
 
@@ -316,8 +316,8 @@ def test_train_window_metrics_after_a_resume_equal_the_straight_run(tmp_path, da
            for n in ("straight", "resumed")}
     resumed = {sk: v for sk, v in win["resumed"].items() if int(sk[0]) > 3}
     assert resumed and all(win["straight"][sk] == v for sk, v in resumed.items())
-    sa = torch.load(tmp_path / "straight" / "checkpoints" / "last.ckpt", weights_only=False)
-    sb = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)
+    sa = torch.load(tmp_path / "straight" / "checkpoints" / "last.ckpt", weights_only=True)
+    sb = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)
     for k, v in sa["state_dict"].items():
         if k.startswith("train_metrics."):
             assert torch.equal(v, sb["state_dict"][k]), k
@@ -340,3 +340,23 @@ def test_train_vocab_reduces_the_training_softmax_only(tmp_path, data):
     assert losses["small"][0] < losses["full"][0]
     with pytest.raises(UserError, match="train_vocab"):
         run_train(ov + ["train_vocab=32", "loss=composite"], tmp_path / "bad")
+
+
+def test_a_run_stopped_mid_epoch_leaves_one_last_ckpt_and_resumes_from_it(tmp_path, data):
+    """max_steps inside an epoch: one last.ckpt (no last-v1.ckpt from the epoch-end save), at
+    the step boundary with the epoch unfinished, and ``ckpt_path=last`` continues that epoch."""
+    train, val = data
+    ov = base_overrides(tmp_path, train, val) + ["callbacks.model_checkpoint.every_n_train_steps=100"]
+    run = tmp_path / "run"
+    run_train(ov + ["trainer.max_steps=3"], run)
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["last.ckpt"]
+    ck = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
+    sampler = ck["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["_index_sampler_state"]
+    assert ck["global_step"] == 3 and sampler["epoch"] == 0 and sampler["batches_consumed"] == 3
+    assert sampler["num_batches"] > 5  # the stop was inside the epoch
+    run_train(ov + ["trainer.max_steps=5", "ckpt_path=last"], run)
+    ck = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)
+    sampler = ck["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["_index_sampler_state"]
+    assert ck["global_step"] == 5 and (sampler["epoch"], sampler["batches_consumed"]) == (0, 5)
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["last.ckpt"]

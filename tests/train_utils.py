@@ -93,7 +93,7 @@ def run_train(overrides: list[str], run_dir: Path):
 
 
 def drafter_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    sd = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    sd = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     return {k: v for k, v in sd.items() if k.startswith("drafters.")}
 
 

@@ -15,7 +15,8 @@ A training checkpoint is a Lightning checkpoint (written atomically by
      "optimizer": "adamw" | "muon",
      "nonfinite_total": int, "tokens_seen": int, "nonfinite_in_row": int}
 
-Training writes it (``DFlashModule.on_save_checkpoint``) and refuses to resume from one made by
+Every reader loads with :func:`safe_load` (``weights_only=True``): a checkpoint file never runs
+code. Training writes it (``DFlashModule.on_save_checkpoint``) and refuses to resume from one made by
 another setup (:func:`check_matches`); evaluation and export read only ``dflash`` and the
 drafter tensors (:func:`read`, :func:`drafter_state`), so they need neither Lightning nor the
 training config. When checkpoints are written is ``train/checkpointing.py``; which one
@@ -24,6 +25,9 @@ training config. When checkpoints are written is ``train/checkpointing.py``; whi
 
 from __future__ import annotations
 
+import pickle
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,26 +96,61 @@ def check_matches(ckpt: dict[str, Any], current: dict[str, Any], source: str) ->
             )
 
 
-def _torch_load(path: Path) -> Any:
+TRUST_KEY = "trust_checkpoint"  # the config key that opts into unpickling a trusted legacy file
+
+
+def _refused_global(message: str) -> str | None:
+    """The object a weights-only load refused ("posix.system"), from torch's message; None when
+    the file failed for another reason (not a pickle at all, cut off)."""
+    m = re.search(r"GLOBAL ([\w.]+)", message)
+    return m.group(1) if m else None
+
+
+def _short_reason(e: Exception) -> str:
+    """``Type: reason`` of a failed load, without torch's paragraph about ``weights_only``."""
+    msg = str(e)
+    if "WeightsUnpickler error:" in msg:
+        msg = msg.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0]
+    return f"{type(e).__name__}: {' '.join(msg.split())}"
+
+
+def safe_load(path: str | Path, trust: bool = False, key: str = "ckpt") -> Any:
+    """``torch.load`` that runs no code from the file: ``weights_only=True`` (tensors and plain
+    containers only, which is all dflash-lit writes). A file holding other pickled objects is
+    refused with one line naming it; ``trust=True`` (config ``trust_checkpoint=true``, for a
+    legacy file from a source you trust) unpickles it with a warning. A file that is not a torch
+    checkpoint at all, or is cut off, is one line too."""
+    p = Path(path)
+    unreadable = (f"{key}={p}: not a readable checkpoint ({{}}); pass a training .ckpt file or "
+                  "a z-lab drafter directory")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # Lightning checkpoints may pickle config objects (e.g. OmegaConf)
-        pass
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        bad = _refused_global(str(e))
+        if bad is None:
+            raise UserError(unreadable.format(_short_reason(e))) from None
+        if not trust:
+            raise UserError(
+                f"{key}={p}: refused: it holds a pickled {bad}, which could run code when "
+                "loaded (dflash-lit checkpoints hold tensors and plain values only); only if "
+                f"you trust its source, pass {TRUST_KEY}=true"
+            ) from None
     except Exception as e:  # not a torch file at all, or cut off mid-write
-        raise UserError(
-            f"ckpt={path}: not a readable checkpoint ({type(e).__name__}: {e}); pass a training "
-            ".ckpt file or a z-lab drafter directory"
-        ) from None
+        raise UserError(unreadable.format(_short_reason(e))) from None
+    warnings.warn(f"{key}={p}: unpickling {bad} because {TRUST_KEY}=true", stacklevel=2)
+    try:
+        return torch.load(p, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise UserError(unreadable.format(_short_reason(e))) from None
 
 
-def read(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(checkpoint dict, its ``dflash`` entry); one-line errors for files that are not ours."""
+def read(path: str | Path, trust: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(checkpoint dict, its ``dflash`` entry), loaded by :func:`safe_load`; one-line errors
+    for files that are not ours."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{p}: checkpoint not found (ckpt= must be a .ckpt file or a z-lab dir)")
-    ckpt = _torch_load(p)
+    ckpt = safe_load(p, trust)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise UserError(f"{p}: not a Lightning checkpoint (no 'state_dict' entry)")
     meta = ckpt.get("dflash")
@@ -127,6 +166,20 @@ def read(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
             f"(this code reads versions {list(SUPPORTED_CKPT_VERSIONS)})"
         )
     return ckpt, meta
+
+
+def loader_world_size(ckpt: dict[str, Any]) -> int | None:
+    """How many processes the training checkpoint's data position belongs to (the bucket
+    sampler's saved ``world_size``), or None when it holds no loader state."""
+    try:
+        loaders = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    except (KeyError, TypeError):
+        return None
+    for state in loaders if isinstance(loaders, list) else [loaders]:
+        sampler = (state or {}).get("_index_sampler_state") if isinstance(state, dict) else None
+        if isinstance(sampler, dict) and "world_size" in sampler:
+            return int(sampler["world_size"])
+    return None
 
 
 def drafter_state(state_dict: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:

@@ -115,7 +115,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> int:
     dtype = parse_dtype(str(cfg.dtype), "dtype", device=device)
     torch.manual_seed(int(cfg.seed))
     with input_checks():  # the files the user named: drafter, target, tokenizer
-        drafter, info = load_drafter(cfg.ckpt, cfg.drafter, dtype=dtype, device=device)
+        drafter, info = load_drafter(cfg.ckpt, cfg.drafter, dtype=dtype, device=device,
+                                     trust=cfg.trust_checkpoint)
         target_path = resolve_target_path(cfg, info.target)
         log.info("drafter %s (%s), target %s, %d prompts", info.name or info.path, info.source,
                  target_path, len(prompts))

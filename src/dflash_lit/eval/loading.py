@@ -58,8 +58,12 @@ def load_drafter(
     name: str | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    trust: bool = False,
 ) -> tuple[DFlashDrafter, DrafterInfo]:
     """Load a drafter from a training ``.ckpt`` (``name`` picks one) or a z-lab directory.
+
+    Neither runs code from the files: a ``.ckpt`` loads weights-only (``trust=True`` unpickles
+    a trusted legacy file, ``checkpoint.safe_load``), a directory reads JSON + safetensors.
 
     Returns the drafter in eval mode and a ``DrafterInfo``. With a checkpoint holding several
     drafters and no ``name``, or an unknown ``name``, the error lists the available names.
@@ -73,7 +77,7 @@ def load_drafter(
             )
         drafter = DFlashDrafter.from_pretrained(p, dtype=dtype, device=device)
         return drafter.eval(), DrafterInfo(source="zlab", path=str(p))
-    ckpt, meta = read(p)
+    ckpt, meta = read(p, trust)
     chosen, names = _pick_name(meta, name, str(p))
     entry = meta["drafters"][chosen]
     try:

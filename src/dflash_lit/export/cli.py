@@ -32,10 +32,11 @@ def export(cfg: DictConfig) -> int:
 
             target = named_target_path(str(cfg.target)) or cfg.target  # e.g. target=smollm2
             model = AutoModelForCausalLM.from_pretrained(target).eval()
-            drafter, _ = load_drafter(cfg.ckpt, cfg.drafter)
+            drafter, _ = load_drafter(cfg.ckpt, cfg.drafter, trust=cfg.trust_checkpoint)
             check_compatible(drafter.config, model)
             lm_head = model.get_output_embeddings()
-        res = export_zlab(cfg.ckpt, cfg.out, name=cfg.drafter, dtype=dtype, lm_head=lm_head)
+        res = export_zlab(cfg.ckpt, cfg.out, name=cfg.drafter, dtype=dtype, lm_head=lm_head,
+                          trust=cfg.trust_checkpoint)
     limit = cfg.max_abs_diff if cfg.max_abs_diff is not None else (0.0 if dtype is None else None)
     print(f"exported {res.name or cfg.ckpt} -> {res.out_dir} ({res.dtype})")
     print(f"reload check: weights equal={res.weights_equal}, max abs diff outputs="

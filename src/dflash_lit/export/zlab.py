@@ -152,6 +152,7 @@ def export_zlab(
     name: str | None = None,
     dtype: str | torch.dtype | None = None,
     lm_head: torch.nn.Module | None = None,
+    trust: bool = False,
 ) -> ExportResult:
     """Write ``ckpt``'s drafter ``name`` as a z-lab directory, reload it and compare.
 
@@ -161,7 +162,7 @@ def export_zlab(
     """
     td = (dtype if isinstance(dtype, torch.dtype) or dtype is None
           else parse_dtype(dtype, "dtype", keep=True))
-    drafter, info = load_drafter(ckpt, name)
+    drafter, info = load_drafter(ckpt, name, trust=trust)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise FileExistsError(

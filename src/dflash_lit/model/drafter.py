@@ -274,7 +274,10 @@ class DFlashDrafter(nn.Module):
             raw = json.loads((p / CONFIG_NAME).read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{p / CONFIG_NAME}:{e.lineno}: invalid JSON ({e.msg})") from None
-        cfg = DFlashConfig.from_zlab_dict(raw)
+        try:
+            cfg = DFlashConfig.from_zlab_dict(raw)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{p / CONFIG_NAME}: not a DFlash drafter config ({e})") from None
         weights = sorted(p.glob("*.safetensors"))
         if not weights:
             raise FileNotFoundError(f"{p}: no *.safetensors weights next to config.json")

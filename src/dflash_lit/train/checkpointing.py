@@ -31,6 +31,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from dflash_lit.atomic import atomic_write
+from dflash_lit.checkpoint import safe_load
 from dflash_lit.errors import UserError
 
 
@@ -41,7 +42,11 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """TorchCheckpointIO with atomic saves and readable load errors."""
+    """TorchCheckpointIO with atomic saves and safe, readable loads (``checkpoint.safe_load``:
+    weights only, so a resume file runs no code; ``trust`` unpickles a trusted legacy file)."""
+
+    def __init__(self, trust: bool = False) -> None:
+        self.trust = trust
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         if storage_options is not None:
@@ -53,11 +58,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not p.is_file():
             raise FileNotFoundError(f"checkpoint {p} does not exist")
         try:
-            return torch.load(p, map_location=map_location or "cpu", weights_only=False)
-        except Exception as e:
+            return safe_load(p, self.trust, key="ckpt_path")
+        except UserError as e:
+            if "not a readable checkpoint" not in str(e):
+                raise
             raise UserError(
-                f"checkpoint {p} is corrupt or truncated ({type(e).__name__}: {e}); resume from "
-                "an earlier checkpoint in the same directory"
+                f"checkpoint {p} is corrupt or truncated ({e}); resume from an earlier "
+                "checkpoint in the same directory"
             ) from None
 
 
@@ -67,6 +74,41 @@ def checkpoint_dir(trainer) -> Path:
     if cb is not None and cb.dirpath:
         return Path(cb.dirpath)
     return Path(trainer.default_root_dir) / "checkpoints"
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint that keeps one ``last.ckpt`` per run.
+
+    A run stopped inside an epoch (``max_steps``, a preemption signal, non-finite steps) has
+    its ``last.ckpt`` written at that step boundary by :class:`FinalCheckpoint` /
+    :class:`PreemptionCheckpoint`. Lightning would then save "last" once more when the
+    stopped epoch loop ends, under a new name (``last-v1.ckpt``, its version counter) and with
+    the epoch marked complete, so a resume from it would skip the rest of the epoch's data.
+    Here the epoch-end, validation-end and train-end saves of such a stopped epoch are skipped, and
+    "last" is never versioned: ``last.ckpt`` is overwritten.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("enable_version_counter", False)
+        super().__init__(*args, **kwargs)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if not self._stopped_inside_epoch(trainer):
+            super().on_train_epoch_end(trainer, pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not self._stopped_inside_epoch(trainer):
+            super().on_validation_end(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not self._stopped_inside_epoch(trainer):
+            super().on_train_end(trainer, pl_module)
+
+    @staticmethod
+    def _stopped_inside_epoch(trainer) -> bool:
+        """The loop ends before the epoch's last batch (``last.ckpt`` is already written)."""
+        stopping = bool(trainer.should_stop) or 0 < trainer.max_steps <= trainer.global_step
+        return stopping and not trainer.is_last_batch
 
 
 class FinalCheckpoint(Callback):

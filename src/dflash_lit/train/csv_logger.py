@@ -29,7 +29,7 @@ class _KeepingWriter(ExperimentWriter):
                 self.metrics_keys = list(csv.DictReader(f).fieldnames or [])
 
     def log_metrics(self, metrics_dict: dict[str, Any], step: int | None = None) -> None:
-        if getattr(self, "_resume_pending", False) and step is not None:
+        if self._resume_pending and step is not None:  # set in __init__
             self._drop_rows_from(int(step))
             self._resume_pending = False
         super().log_metrics(metrics_dict, step)

@@ -36,6 +36,25 @@ from dflash_lit.train.losses import (
 SlotWeights = Tensor | Callable[[Tensor], Tensor]
 
 
+def check_frozen_head(weight: Tensor, chunk_rows: int, where: str) -> None:
+    """The fused losses compute only the input gradient: the head must be frozen."""
+    if weight.requires_grad:
+        raise ValueError(f"{where}: the lm_head weight must be frozen "
+                         "(requires_grad=False); only the input gradient is computed")
+    if chunk_rows < 1:
+        raise ValueError(f"{where}: chunk_rows={chunk_rows} must be >= 1")
+
+
+def chunk_logits(hidden: Tensor, wc: Tensor, labels: Tensor, compute_dtype: torch.dtype
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One chunk's float32 logits [c, V] (matmul in ``compute_dtype``), its labels as [c, 1],
+    row max [c], argmax [c] and the labels' logits [c]."""
+    logits = (hidden.to(compute_dtype) @ wc.T).float()
+    y = labels[:, None]
+    top, arg = logits.max(-1)
+    return logits, y, top, arg, logits.gather(1, y).squeeze(1)
+
+
 class _LinearCE(torch.autograd.Function):
     """sum_i w_i · CE(h_i @ W.T, y_i), gradient only w.r.t. h (W is frozen).
 
@@ -53,12 +72,10 @@ class _LinearCE(torch.autograd.Function):
         wc = weight.to(compute_dtype)
         for s in range(0, m, chunk_rows):
             e = min(s + chunk_rows, m)
-            logits = (hidden[s:e].to(compute_dtype) @ wc.T).float()  # [c, V]
-            y = labels[s:e, None]
             # Four in-place passes over [c, V] (max+argmax, sub+exp, sum, scale) and no
             # temporary: logsumexp would allocate one and exponentiate a second time.
-            top, pred[s:e] = logits.max(-1)
-            picked = logits.gather(1, y).squeeze(1)
+            logits, y, top, pred[s:e], picked = chunk_logits(hidden[s:e], wc, labels[s:e],
+                                                              compute_dtype)
             probs = logits.sub_(top[:, None]).exp_()  # unnormalised softmax
             total = probs.sum(-1)
             ce[s:e] = top + total.log() - picked
@@ -102,11 +119,7 @@ def linear_cross_entropy(
     Returns:
         (loss scalar differentiable w.r.t. ``hidden``, per-row CE [M] float32, argmax [M]).
     """
-    if weight.requires_grad:
-        raise ValueError("linear_cross_entropy: the lm_head weight must be frozen "
-                         "(requires_grad=False); only the input gradient is computed")
-    if chunk_rows < 1:
-        raise ValueError(f"linear_cross_entropy: chunk_rows={chunk_rows} must be >= 1")
+    check_frozen_head(weight, chunk_rows, where="linear_cross_entropy")
     cd = compute_dtype or hidden.dtype
     w = slot_weights if callable(slot_weights) else slot_weights.float()
     return _LinearCE.apply(hidden, weight, labels, w, int(chunk_rows), cd)

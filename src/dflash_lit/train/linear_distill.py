@@ -4,9 +4,8 @@ The composite (v3/v4) and ``distill`` with ``divergence=forward_kl`` need, per v
 the drafter's full distribution at two temperatures and the target's distribution at one.
 Run un-fused, that is the [B, N, Bs, V] drafter logits, the target's logits gathered to the
 same shape, and half a dozen [M, V] log-softmaxes, exponentials and masks kept for autograd:
-memory traffic, not arithmetic, sets the step time (in a profile of a v4 step on CPU the
-elementwise ops took ~70 %, the matmuls 17 %). Here ``chunk_rows`` valid slots at a time go through
-logits → (CE, KL, argmax) → the gradient w.r.t. the hidden states, with the gradient written
+memory traffic, not arithmetic, sets the step time. Here ``chunk_rows`` valid slots at a
+time go through logits → (CE, KL, argmax) → the gradient w.r.t. the hidden states, with the gradient written
 by hand (``W`` is frozen):
 
     d[a·T²·KL(p_T ‖ q_T) + b·CE] / dz = a·T·(q_T − p_T) + b·(softmax(z) − onehot(y))
@@ -22,16 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash_lit.train.linear_ce import outputs_on_grid
-from dflash_lit.train.losses import (
-    CompositeLoss,
-    DistillLoss,
-    position_weights,
-    streak_weights,
-    valid_mask,
-)
-
-_TINY = torch.finfo(torch.float32).tiny
+from dflash_lit.train.linear_ce import check_frozen_head, chunk_logits, outputs_on_grid
+from dflash_lit.train.losses import CompositeLoss, DistillLoss, distill_slot_weights, valid_mask
 
 
 class _LinearForwardKL(torch.autograd.Function):
@@ -55,10 +46,8 @@ class _LinearForwardKL(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, m, chunk_rows):
                 e = min(s + chunk_rows, m)
-                z = (hidden[s:e].to(compute_dtype) @ wc.T).float()  # [c, V]
-                y = labels[s:e, None]
-                top, pred[s:e] = z.max(-1)
-                picked = z.gather(1, y).squeeze(1)
+                z, y, top, pred[s:e], picked = chunk_logits(hidden[s:e], wc, labels[s:e],
+                                                             compute_dtype)
                 # the target at T: log p, and Σ p·log p with 0·log 0 = 0 (p = 0 off a top-k)
                 log_p = torch.log_softmax(target[rows_b[s:e], rows_s[s:e]].float() / t, dim=-1)
                 p = log_p.exp()
@@ -128,24 +117,14 @@ def fused_forward_kl(
         (``LossOutput`` with ``per_slot_kl``, the drafter's argmax per slot [B, N, Bs], -100
         where the slot is not valid).
     """
-    if weight.requires_grad:
-        raise ValueError("fused_forward_kl: the lm_head weight must be frozen "
-                         "(requires_grad=False); only the input gradient is computed")
-    if chunk_rows < 1:
-        raise ValueError(f"fused_forward_kl: chunk_rows={chunk_rows} must be >= 1")
+    check_frozen_head(weight, chunk_rows, where="fused_forward_kl")
     valid = valid_mask(labels)
-    w_pos = position_weights(labels.shape[-1], gamma, device=hidden.device).expand(valid.shape)
     den: dict[str, Tensor] = {}  # the normaliser, known once every CE is
 
     def weigh(ce: Tensor) -> Tensor:
-        w = w_pos
-        if streak_aware:
-            log_p_label = torch.zeros(valid.shape, dtype=torch.float32, device=ce.device)
-            log_p_label[valid] = -ce
-            w = w * streak_weights(log_p_label, valid)
-        w = w[valid]
+        w = distill_slot_weights(ce, valid, gamma, streak_aware)
         den["d"] = w.sum()
-        return w / den["d"].clamp_min(_TINY)
+        return w / den["d"].clamp_min(torch.finfo(torch.float32).tiny)
 
     rows_b = torch.arange(labels.shape[0], device=labels.device)[:, None, None]
     rows_b = rows_b.expand(valid.shape)[valid]

@@ -219,6 +219,19 @@ def streak_weights(log_p_label: Tensor, valid: Tensor) -> Tensor:
     return torch.exp(exclusive)
 
 
+def distill_slot_weights(ce: Tensor, valid: Tensor, gamma: float | None,
+                         streak_aware: bool) -> Tensor:
+    """[M] detached weights of the valid slots of a distillation loss: the position decay
+    ``w_γ(k)``, times the streak factor (``streak_weights`` of ``p = exp(-CE)``) if
+    ``streak_aware``. ``ce`` [M] is the valid slots' CE, in ``valid``'s [B, N, Bs] order."""
+    w = position_weights(valid.shape[-1], gamma, device=ce.device).expand(valid.shape)
+    if streak_aware:
+        log_p_label = torch.zeros(valid.shape, dtype=torch.float32, device=ce.device)
+        log_p_label[valid] = -ce.detach().float()
+        w = w * streak_weights(log_p_label, valid)
+    return w[valid]
+
+
 # --------------------------------------------------------------------------- D-PACE
 def dpace_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
     """Detached D-PACE weights [B, N, Bs] from the per-slot CE [B, N, Bs] (any value where
@@ -358,12 +371,7 @@ def distill_loss(
     log_p_t = F.log_softmax(target_logits[valid].detach().float() / t, dim=-1)
     div = slot_divergence(log_q_t, log_p_t, divergence) * (t * t)  # [M]
 
-    w = position_weights(logits.shape[2], gamma, device=logits.device).expand(valid.shape)
-    if streak_aware:
-        log_p_label = torch.zeros(valid.shape, dtype=torch.float32, device=logits.device)
-        log_p_label[valid] = -ce.detach()
-        w = w * streak_weights(log_p_label, valid)
-    w = w[valid]  # [M]
+    w = distill_slot_weights(ce, valid, gamma, streak_aware)  # [M]
     weight_sum = w.sum()
     loss = (w * (div_weight * div + ce_weight * ce)).sum() / weight_sum.clamp_min(_TINY)
     return LossOutput(

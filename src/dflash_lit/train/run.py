@@ -12,10 +12,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_lit.atomic import remove_stale_temporaries
-from dflash_lit.checkpoint import check_matches
+from dflash_lit.checkpoint import check_matches, loader_world_size
 from dflash_lit.data.frequent_tokens import frequent_tokens
 from dflash_lit.data.vocab import check_data_tokenizer
-from dflash_lit.errors import input_checks
+from dflash_lit.errors import UserError, input_checks
 from dflash_lit.precision import head_dtype
 from dflash_lit.train.build import (
     build_callbacks,
@@ -140,7 +140,19 @@ def train(cfg: DictConfig) -> float | None:
         ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), run_root, list(hc.overrides.task),
                                  run_dir, strict=bool(cfg.get("resume_strict", False)))
         # read before the target's weights load: a corrupt file fails first
-        saved = {"dflash": AtomicCheckpointIO().load_checkpoint(ckpt).get("dflash")} if ckpt else None
+        io = AtomicCheckpointIO(trust=bool(cfg.get("trust_checkpoint", False)))
+        raw = io.load_checkpoint(ckpt) if ckpt else {}
+        saved = {"dflash": raw.get("dflash")} if ckpt else None
+        saved_world, raw = loader_world_size(raw), None
+        world = _world_size(cfg.trainer)
+        if saved_world is not None and saved_world != world:
+            # The data position is per rank and an epoch's optimizer steps (the LR schedule's unit)
+            # scale with 1 / world size: neither carries over, and resume is exact or refused.
+            raise UserError(
+                f"ckpt_path={ckpt}: saved with world size {saved_world}, this run has world size "
+                f"{world} (trainer.devices x trainer.num_nodes); resume with "
+                f"{saved_world} processes, or start a new run"
+            )
         module, dm, total = build_run(cfg)
         if saved is not None:  # fail before training on a checkpoint from another setup
             check_matches(saved, module.checkpoint_meta(), str(ckpt))
@@ -151,7 +163,7 @@ def train(cfg: DictConfig) -> float | None:
     callbacks = build_callbacks(cfg.get("callbacks"))
     # Atomic checkpoint writes always; config plugins (e.g. SLURMEnvironment) come on top.
     plugins = [hydra.utils.instantiate(p) for p in (cfg.trainer.get("plugins") or [])]
-    plugins.append(AtomicCheckpointIO())
+    plugins.append(io)
     tkw = {k: v for k, v in cfg.trainer.items() if k != "plugins"}
     trainer: L.Trainer = hydra.utils.instantiate(
         tkw, logger=loggers or False, callbacks=callbacks, plugins=plugins, _convert_="partial"
