@@ -9,14 +9,17 @@ import torch
 
 from dflash_lit import DFlashConfig, DFlashDrafter
 from dflash_lit.compat import check_compatible
+from dflash_lit.eval.model_free import SuffixIndex
 from dflash_lit.eval.offline import offline_streak
 from dflash_lit.eval.prompts import PromptSetError, load_prompts
 from dflash_lit.eval.report import EvalSettings, check_lossless, run_evaluation
 from dflash_lit.eval.speculative import (
     chain_generate,
     first_mismatch,
+    hybrid_generate,
     ngram_generate,
     ngram_propose,
+    suffix_generate,
     target_greedy,
     tree_generate,
 )
@@ -96,15 +99,24 @@ def test_target_greedy_matches_naive(target, prompts):
         assert target_greedy(target, p, 20).tokens == naive_greedy(target, p, 20)
 
 
-@pytest.mark.parametrize("method", ["chain", "tree4", "tree8", "ngram"])
+@pytest.mark.parametrize("method", ["chain", "tree4", "tree8", "ngram", "ngram_latest", "suffix",
+                                    "hybrid", "merged"])
 def test_lossless_random_drafter(target, drafter, prompts, method):
+    index = SuffixIndex(8)  # a global cache of earlier outputs, as run_evaluation keeps one
     for p in prompts:
         for max_new in (1, 2, 23):
             ref = target_greedy(target, p, max_new).tokens
             if method == "chain":
                 r = chain_generate(target, drafter, p, max_new)
-            elif method == "ngram":
-                r = ngram_generate(target, p, max_new, block_size=BS)
+            elif method.startswith("ngram"):
+                r = ngram_generate(target, p, max_new, block_size=BS,
+                                   rule="latest" if method.endswith("latest") else "earliest")
+            elif method == "suffix":
+                r = suffix_generate(target, p, max_new, block_size=BS, budget=6, global_index=index,
+                                    depth=8)
+            elif method in ("hybrid", "merged"):
+                r = hybrid_generate(target, drafter, p, max_new, budget=6, global_index=index,
+                                    merge=method == "merged", depth=8)
             else:
                 r = tree_generate(target, drafter, p, max_new, budget=int(method[4:]))
             assert r.tokens == ref, (method, p, first_mismatch(r.tokens, ref))
@@ -112,6 +124,8 @@ def test_lossless_random_drafter(target, drafter, prompts, method):
             assert sum(r.acceptance_lengths) + 1 == len(r.tokens)
             assert all(1 <= t <= BS for t in r.acceptance_lengths)
             assert r.target_forwards == r.num_steps + 1
+            index.extend(ref)
+            index.end_sequence()
 
 
 def test_perfect_drafter_chain_tau_is_block_size(target, prompts):
@@ -226,7 +240,8 @@ def test_tree_mask_with_cache_equals_sequential(target):
 def test_ngram_propose_hand_computed():
     seq = [5, 6, 7, 8, 9, 5, 6, 7]
     assert ngram_propose(seq, 3) == [8, 9, 5]  # trigram 5 6 7 seen at 0
-    assert ngram_propose([1, 2, 3, 1, 9, 9, 1], 2) == [9, 9]  # unigram 1: most recent earlier
+    assert ngram_propose([1, 2, 3, 1, 9, 9, 1], 2, rule="latest") == [9, 9]  # most recent earlier 1
+    assert ngram_propose([1, 2, 3, 1, 9, 9, 1], 2) == [2, 3]  # vLLM: the earliest 1
     assert ngram_propose([1, 2, 3, 4], 5) == []
     assert ngram_propose(seq, 0) == []
 

@@ -41,6 +41,10 @@ def settings_from_cfg(cfg: DictConfig) -> EvalSettings:
         tree_top_k=cfg.tree_top_k,
         ngram_n_max=cfg.ngram.n_max,
         ngram_n_min=cfg.ngram.n_min,
+        ngram_rule=str(cfg.ngram.rule),
+        suffix_budget=int(cfg.suffix.budget),
+        suffix_depth=int(cfg.suffix.depth),
+        suffix_min_prob=float(cfg.suffix.min_prob),
         offline_streak=bool(cfg.offline_streak),
         warmup=bool(cfg.warmup),
     )

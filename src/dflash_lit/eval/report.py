@@ -18,18 +18,23 @@ from typing import Any
 import torch
 
 from dflash_lit.errors import UserError
+from dflash_lit.eval.model_free import NGRAM_RULES, SuffixIndex
 from dflash_lit.eval.offline import offline_streak
 from dflash_lit.eval.speculative import (
     GenerationResult,
     chain_generate,
     first_mismatch,
+    hybrid_generate,
     ngram_generate,
+    suffix_generate,
     target_greedy,
     tree_generate,
 )
 from dflash_lit.model.drafter import DFlashDrafter
 
-METHODS = ("chain", "tree", "ngram", "baseline")
+METHODS = ("chain", "tree", "ngram", "suffix", "hybrid", "merged", "baseline")
+MODEL_FREE = ("ngram", "suffix")  # the baselines a user gets without training anything
+SUFFIX_KEYS = ("suffix", "hybrid", "merged")  # methods that keep a global suffix index
 
 
 class LosslessError(RuntimeError):
@@ -47,6 +52,10 @@ class EvalSettings:
     tree_top_k: int | None = None  # None: min(budget, vocab)
     ngram_n_max: int = 3
     ngram_n_min: int = 1
+    ngram_rule: str = "earliest"  # vLLM's; "latest" = the most recent occurrence
+    suffix_budget: int = 16  # suffix decoding: draft tree nodes per step
+    suffix_depth: int = 24  # longest substring the suffix indexes count
+    suffix_min_prob: float = 0.1  # drop draft nodes whose path probability is below this
     offline_streak: bool = False
     warmup: bool = True
 
@@ -54,8 +63,9 @@ class EvalSettings:
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             raise UserError(f"methods={list(self.methods)}: unknown {bad}; choose from {list(METHODS)}")
-        if "tree" in self.methods and not self.budgets:
-            raise UserError("budgets=[]: method tree needs at least one node budget (e.g. [4, 8])")
+        for m in ("tree", "hybrid", "merged"):
+            if m in self.methods and not self.budgets:
+                raise UserError(f"budgets=[]: method {m} needs at least one node budget (e.g. [4, 8])")
         for b in self.budgets:
             if isinstance(b, bool) or not isinstance(b, int) or b < 1:
                 raise UserError(
@@ -69,6 +79,13 @@ class EvalSettings:
             raise UserError(f"max_new_tokens={self.max_new_tokens!r}: must be an int >= 1")
         if self.block_size is not None and self.block_size < 2:
             raise UserError(f"block_size={self.block_size}: need >= 2 (anchor + one draft) or null")
+        if self.ngram_rule not in NGRAM_RULES:
+            raise UserError(f"ngram.rule={self.ngram_rule!r}: choose one of {list(NGRAM_RULES)}")
+        if self.suffix_budget < 1 or self.suffix_depth < 2 or not 0 < self.suffix_min_prob <= 1:
+            raise UserError(
+                f"suffix: budget={self.suffix_budget}, depth={self.suffix_depth}, min_prob="
+                f"{self.suffix_min_prob}: need budget >= 1, depth >= 2, 0 < min_prob <= 1"
+            )
         if not 1 <= self.ngram_n_min <= self.ngram_n_max:
             raise UserError(
                 f"ngram n_min={self.ngram_n_min}, n_max={self.ngram_n_max}: need 1 <= n_min <= n_max"
@@ -77,22 +94,32 @@ class EvalSettings:
     def method_keys(self) -> list[str]:
         keys = []
         for m in self.methods:
-            if m == "tree":
-                keys += [f"tree_b{b}" for b in self.budgets]
+            if m in ("tree", "hybrid", "merged"):
+                keys += [f"{m}_b{b}" for b in self.budgets]
             elif m != "baseline":
                 keys.append(m)
         return keys
 
 
-def _run_method(key, target, drafter, ids, s: EvalSettings, eos, bs, max_new) -> GenerationResult:
+def _run_method(key, target, drafter, ids, s: EvalSettings, eos, bs, max_new,
+                index: SuffixIndex | None = None) -> GenerationResult:
+    """One method on one prompt; ``index``: the suffix methods' global index of earlier outputs."""
     if key == "chain":
         return chain_generate(target, drafter, ids, max_new, eos, block_size=s.block_size)
     if key == "ngram":
         return ngram_generate(target, ids, max_new, eos, block_size=bs,
-                              n_max=s.ngram_n_max, n_min=s.ngram_n_min)
-    budget = int(key.removeprefix("tree_b"))
-    return tree_generate(target, drafter, ids, max_new, budget, eos, block_size=s.block_size,
-                         top_k=s.tree_top_k)
+                              n_max=s.ngram_n_max, n_min=s.ngram_n_min, rule=s.ngram_rule)
+    suffix = {"depth": s.suffix_depth, "min_prob": s.suffix_min_prob, "global_index": index}
+    if key == "suffix":
+        return suffix_generate(target, ids, max_new, eos, block_size=bs, budget=s.suffix_budget,
+                               **suffix)
+    method, budget = key.rsplit("_b", 1)
+    if method == "tree":
+        return tree_generate(target, drafter, ids, max_new, int(budget), eos,
+                             block_size=s.block_size, top_k=s.tree_top_k)
+    return hybrid_generate(target, drafter, ids, max_new, int(budget), eos,
+                           block_size=s.block_size, top_k=s.tree_top_k, merge=method == "merged",
+                           **suffix)
 
 
 def run_evaluation(
@@ -118,6 +145,8 @@ def run_evaluation(
         for k in keys:
             _run_method(k, target, drafter, ids, settings, eos, bs, min(8, settings.max_new_tokens))
     results: dict[str, list[GenerationResult]] = {k: [] for k in ["baseline", *keys]}
+    # suffix methods also draft from the outputs already served (a global cache), per method
+    indexes = {k: SuffixIndex(settings.suffix_depth) for k in keys if k.startswith(SUFFIX_KEYS)}
     per_prompt: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []
     offline: list[Any] = []
@@ -132,7 +161,8 @@ def run_evaluation(
         results["baseline"].append(ref)
         row: dict[str, Any] = {"id": pid, "prompt_tokens": len(ids), "generated_tokens": len(ref.tokens)}
         for k in keys:
-            r = _run_method(k, target, drafter, ids, settings, eos, bs, settings.max_new_tokens)
+            r = _run_method(k, target, drafter, ids, settings, eos, bs, settings.max_new_tokens,
+                            indexes.get(k))
             results[k].append(r)
             row[k] = r.acceptance_lengths
             pos = first_mismatch(r.tokens, ref.tokens)
@@ -142,6 +172,9 @@ def run_evaluation(
                     "expected": ref.tokens[pos] if pos < len(ref.tokens) else None,
                     "got": r.tokens[pos] if pos < len(r.tokens) else None,
                 })
+        for index in indexes.values():
+            index.extend(ref.tokens)
+            index.end_sequence()
         if settings.offline_streak:
             off = offline_streak(target, drafter, ids, ref.tokens, block_size=bs)
             offline.append(off)
@@ -162,6 +195,7 @@ def run_evaluation(
     report["tau_chain"] = m["chain"]["tau"] if "chain" in m else None
     report["tau_tree"] = {str(b): m[f"tree_b{b}"]["tau"] for b in settings.budgets if f"tree_b{b}" in m}
     report["tau_ngram"] = m["ngram"]["tau"] if "ngram" in m else None
+    report["best_model_free"] = best_model_free(m)
     if settings.offline_streak:
         streaks = [s for o in offline for s in o.streaks]
         correct = [sum(o.slot_correct[k] for o in offline) for k in range(bs - 1)]
@@ -173,6 +207,13 @@ def run_evaluation(
             "tau_chain": report["tau_chain"],
         }
     return _clean(report)
+
+
+def best_model_free(methods: dict[str, Any]) -> str | None:
+    """The model-free method (n-gram, suffix) with the most tokens/s in this run: the baseline
+    every "× model-free" ratio is against."""
+    cands = [k for k in MODEL_FREE if k in methods and methods[k]["tokens_per_s"] is not None]
+    return max(cands, key=lambda k: methods[k]["tokens_per_s"]) if cands else None
 
 
 def summarize(rs: list[GenerationResult], baseline: list[GenerationResult]) -> dict[str, Any]:
@@ -260,14 +301,25 @@ def summary_markdown(report: dict[str, Any]) -> str:
         f"- lossless: **{'yes' if report['lossless'] else 'NO'}**"
         + ("" if report["lossless"] else f" ({len(report['mismatches'])} mismatches)"),
         "",
-        "| method | τ | τ (per-prompt mean) | steps | tokens/s | speedup | target forwards |",
-        "|---|---|---|---|---|---|---|",
+    ]
+    best = report.get("best_model_free")
+    ref = report["methods"].get(best) if best else None
+    if best:
+        lines += [f"- strongest model-free baseline in this run (most tokens/s): **{best}**"
+                  + (f" (rule {s['ngram_rule']})" if best == "ngram" else ""), ""]
+    lines += [
+        "| method | τ | τ (per-prompt mean) | steps | tokens/s | speedup | vs " + (best or "-")
+        + " (τ / tokens/s) | target forwards |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for k, m in report["methods"].items():
         tau = "1 (by definition)" if k == "baseline" else _fmt(m["tau"])
+        vs = "-"
+        if ref and k != "baseline" and m["tau"] and ref["tau"] and ref["tokens_per_s"]:
+            vs = f"{m['tau'] / ref['tau']:.2f}x / {m['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
         lines.append(
             f"| {k} | {tau} | {_fmt(m['tau_per_prompt_mean'])} | {m['steps']} | "
-            f"{_fmt(m['tokens_per_s'], 1)} | {_fmt(m['speedup'])}x | {m['target_forwards']} |"
+            f"{_fmt(m['tokens_per_s'], 1)} | {_fmt(m['speedup'])}x | {vs} | {m['target_forwards']} |"
         )
     slot_methods = [k for k in report["methods"] if k != "baseline"]
     if slot_methods:

@@ -15,7 +15,12 @@ Methods:
 - ``chain_generate``: DFlash block drafter, chain verification (argmax per slot).
 - ``tree_generate``: DDTree over the block's per-slot top-k, verified in one forward with an
   ancestor-only 4D mask; only the accepted path's K/V are kept.
-- ``ngram_generate``: prompt-lookup drafting, chain verification.
+- ``ngram_generate``: prompt-lookup drafting (vLLM's rule by default), chain verification.
+- ``suffix_generate``: suffix decoding (``model_free``), tree verification.
+- ``hybrid_generate``: per step the suffix draft when its score (expected accepted tokens
+  under its counts) reaches the drafter's mean accepted tokens so far in the request, else
+  the drafter's DDTree (the suffix step skips the drafter's forward); ``merge=True`` instead
+  merges both trees into one within the node budget every step.
 
 Drafts are capped so a step never commits past ``max_new_tokens``; output is cut after the
 first EOS. Targets whose cache cannot roll back (Gated DeltaNet recurrent state) run the chain
@@ -40,6 +45,7 @@ from dflash_lit.eval.ddtree import (
     tree_attention_mask,
     tree_position_ids,
 )
+from dflash_lit.eval.model_free import SuffixIndex, merge_trees, ngram_propose, suffix_draft
 from dflash_lit.eval.target_runner import (
     MASK_CAPABLE_ATTN,
     TargetRunner,
@@ -194,25 +200,6 @@ def as_proposer(
             f"drafter must be a DFlashDrafter or implement BlockProposer, got {type(drafter).__name__}"
         )
     return drafter
-
-
-def ngram_propose(tokens: Sequence[int], max_len: int, n_max: int = 3, n_min: int = 1) -> list[int]:
-    """Prompt-lookup drafting: match the last n tokens (n = n_max .. n_min) earlier in ``tokens``.
-
-    Uses the most recent earlier occurrence that has a continuation and proposes up to
-    ``max_len`` tokens that followed it; [] when nothing matches.
-    """
-    if max_len <= 0:
-        return []
-    seq = list(tokens)
-    t = len(seq)
-    for n in range(min(n_max, t - 1), n_min - 1, -1):
-        pattern = seq[t - n:]
-        # Start positions i < t - n (the suffix itself excluded), most recent first.
-        for i in range(t - n - 1, -1, -1):
-            if seq[i:i + n] == pattern:
-                return seq[i + n:i + n + max_len]
-    return []
 
 
 # --------------------------------------------------------------------------- shared decode state
@@ -415,8 +402,10 @@ def ngram_generate(
     block_size: int = 16,
     n_max: int = 3,
     n_min: int = 1,
+    rule: str = "earliest",
 ) -> GenerationResult:
-    """Prompt-lookup (n-gram) drafting of up to ``block_size - 1`` tokens, chain verification."""
+    """Prompt-lookup (n-gram) drafting of up to ``block_size - 1`` tokens, chain verification.
+    ``rule``: which earlier occurrence of the matched n-gram drafts (``model_free.ngram_propose``)."""
     _check_max_new(max_new_tokens)
     if block_size < 2:
         raise ValueError(f"block_size={block_size}: need >= 2 (anchor + at least one draft)")
@@ -424,7 +413,7 @@ def ngram_generate(
     slots = block_size - 1
 
     def step(st: _Decode) -> None:
-        st.verify_chain(ngram_propose(st.tokens, min(slots, st.remaining - 1), n_max, n_min))
+        st.verify_chain(ngram_propose(st.tokens, min(slots, st.remaining - 1), n_max, n_min, rule))
 
     st = _Decode(runner, _prompt_list(prompt_ids), max_new_tokens, _eos_set(eos_ids), slots,
                  "ngram", lambda hidden: None)
@@ -480,7 +469,9 @@ def tree_generate(
     return _run(st, step)
 
 
-def _verify_tree(st: _Decode, tree: Any) -> None:
+def _verify_tree(st: _Decode, tree: Any) -> int:
+    """Verify ``tree`` in one target forward, commit the accepted path + bonus; returns the
+    number of accepted nodes."""
     runner = st.runner
     n = len(st.tokens)
     past = cache_length(st.cache)
@@ -502,6 +493,106 @@ def _verify_tree(st: _Decode, tree: Any) -> None:
     new = tree.token_ids[path].tolist() + [choice[rows[-1]]]
     tau = st._emit(new)
     st._record(min(len(path), tau), tau, tree.num_nodes)
+    return len(path)
+
+
+def _needs_kv_cache(st: _Decode, what: str) -> None:
+    if st.recompute:
+        raise NotImplementedError(
+            f"{what} verifies a tree, which needs a KV cache that can drop rejected branches; "
+            "this target's cache has recurrent (e.g. Gated DeltaNet) layers. Use chain or ngram."
+        )
+
+
+@torch.no_grad()
+def suffix_generate(
+    target: nn.Module,
+    prompt_ids: Sequence[int] | Tensor,
+    max_new_tokens: int,
+    eos_ids: int | Iterable[int] | None = None,
+    block_size: int = 16,
+    budget: int = 16,
+    global_index: SuffixIndex | None = None,
+    depth: int = 24,
+    min_prob: float = 0.1,
+) -> GenerationResult:
+    """Suffix decoding: a draft tree (``budget`` nodes, ``block_size - 1`` deep) from the
+    request's own suffix index and ``global_index`` (earlier outputs), verified in one pass."""
+    _check_max_new(max_new_tokens)
+    runner = target if isinstance(target, TargetRunner) else TargetRunner(target)
+    slots = block_size - 1
+    local = SuffixIndex(depth)
+    indexes = [local] + ([global_index] if global_index is not None else [])
+
+    def step(st: _Decode) -> None:
+        _needs_kv_cache(st, "suffix")
+        local.extend(st.tokens[local.length:])
+        d = min(slots, st.remaining - 1)
+        tree, _ = suffix_draft(indexes, st.tokens, budget, d, min_prob) if d > 0 else (None, 0.0)
+        if tree is None or tree.num_nodes == 0:
+            st.verify_chain([])
+        else:
+            _verify_tree(st, tree)
+
+    st = _Decode(runner, _prompt_list(prompt_ids), max_new_tokens, _eos_set(eos_ids), slots,
+                 "suffix", lambda hidden: None)
+    return _run(st, step)
+
+
+@torch.no_grad()
+def hybrid_generate(
+    target: nn.Module,
+    drafter: DFlashDrafter | BlockProposer,
+    prompt_ids: Sequence[int] | Tensor,
+    max_new_tokens: int,
+    budget: int,
+    eos_ids: int | Iterable[int] | None = None,
+    block_size: int | None = None,
+    top_k: int | None = None,
+    global_index: SuffixIndex | None = None,
+    merge: bool = False,
+    depth: int = 24,
+    min_prob: float = 0.1,
+) -> GenerationResult:
+    """Drafter + suffix decoding as a serving engine runs them, ``budget`` nodes per step.
+
+    ``merge=False`` (``hybrid``): the suffix tree when its score reaches the drafter's mean
+    accepted tokens per step so far in this request (1 before its first step), else the
+    drafter's DDTree; a suffix step skips the drafter's forward. ``merge=True`` (``merged``):
+    DDTree and suffix tree merged into one tree of ``budget`` nodes every step.
+    """
+    _check_max_new(max_new_tokens)
+    proposer, runner = _setup(target, drafter, block_size)
+    slots = proposer.block_size - 1
+    local = SuffixIndex(depth)
+    indexes = [local] + ([global_index] if global_index is not None else [])
+    drafter_steps = [1.0, 1]  # accepted nodes, steps (prior: one token per step)
+
+    def step(st: _Decode) -> None:
+        _needs_kv_cache(st, "hybrid")
+        local.extend(st.tokens[local.length:])
+        d = min(slots, st.remaining - 1)
+        if d == 0:
+            st.verify_chain([])
+            return
+        sfx, score = suffix_draft(indexes, st.tokens, budget, d, min_prob)
+        if not merge and sfx.num_nodes and score >= drafter_steps[0] / drafter_steps[1]:
+            _verify_tree(st, sfx)
+            return
+        logits = proposer.draft_logits(st.tokens)[:d]
+        k = min(top_k or budget, logits.shape[-1])
+        lp, ids = F.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        tree = build_ddtree(lp.cpu(), ids.cpu(), budget)
+        if merge:
+            _verify_tree(st, merge_trees(tree, sfx, budget))
+            return
+        drafter_steps[0] += _verify_tree(st, tree)
+        drafter_steps[1] += 1
+
+    name = f"{'merged' if merge else 'hybrid'}_b{budget}"
+    st = _Decode(runner, _prompt_list(prompt_ids), max_new_tokens, _eos_set(eos_ids), slots,
+                 name, proposer.observe)
+    return _run(st, step)
 
 
 def _setup(
