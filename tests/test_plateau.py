@@ -59,7 +59,10 @@ def test_analysis_flags_a_logged_plateau(tmp_path):
     run = Run(path=tmp_path, name="r", df=df)
     flags = plateau_flags(run)
     assert any("copy-the-anchor plateau" in f and "step 20" in f for f in flags)
-    assert any("0.80x the n-gram" in f for f in flags)
+    assert any("0.80x the model-free baseline" in f for f in flags)  # an older log: n-gram only
     df.loc[1, "val/main/const_block_share"] = 0.1
     df.loc[1, "val/main/tau_chain_vs_ngram"] = 1.6
     assert plateau_flags(Run(path=tmp_path, name="r", df=df)) == []
+    df["val/main/tau_chain_vs_model_free"] = [0.9, 0.95]  # the strongest baseline wins the check
+    assert any("0.95x the model-free baseline at step 20" in f
+               for f in plateau_flags(Run(path=tmp_path, name="r", df=df)))

@@ -31,12 +31,15 @@ def test_real_tau_is_logged_per_drafter(tmp_path, data, features):
     logged = {int(r["step"]): r for r in rows if r.get("val/gamma7/tau_chain")}
     assert sorted(logged) == [2, 3]  # every 2 steps and at the last step
     for r in logged.values():
-        ngram = float(r["val/tau_ngram"])
-        assert 1.0 <= ngram <= 8.0
+        ngram, suffix = float(r["val/tau_ngram"]), float(r["val/tau_suffix"])
+        assert 1.0 <= ngram <= 8.0 and 1.0 <= suffix <= 8.0
+        assert float(r["val/tau_model_free"]) == max(ngram, suffix)
         for name in ("gamma4", "gamma7", "gamma10"):
             chain = float(r[f"val/{name}/tau_chain"])
             assert 1.0 <= chain <= 8.0 and 1.0 <= float(r[f"val/{name}/tau_tree_b4"]) <= 8.0
             assert float(r[f"val/{name}/tau_chain_vs_ngram"]) == pytest.approx(chain / ngram)
+            assert float(r[f"val/{name}/tau_chain_vs_model_free"]) == pytest.approx(
+                chain / max(ngram, suffix))
             assert float(r[f"val/{name}/lossless"]) == 1.0
         assert 0.0 < float(r["perf/real_tau_share"]) < 1.0
 

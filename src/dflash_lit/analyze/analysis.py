@@ -148,9 +148,11 @@ def plateau_flags(run: Run) -> list[str]:
                                   float(sv[-1]) if len(sv) else None)
             if msg:
                 flags.append(f"validation at step {int(cs[-1])}: {msg}")
-        ts, tv = run.series(f"val/{d}/tau_chain_vs_ngram")
+        ts, tv = run.series(f"val/{d}/tau_chain_vs_model_free")
+        if not len(tv):  # logs written before the suffix baseline
+            ts, tv = run.series(f"val/{d}/tau_chain_vs_ngram")
         if len(tv) and tv[-1] < 1.0:
-            flags.append(f"{d}: real chain τ is {tv[-1]:.2f}x the n-gram baseline at step "
+            flags.append(f"{d}: real chain τ is {tv[-1]:.2f}x the model-free baseline at step "
                          f"{int(ts[-1])}: the drafter does not yet beat no training")
     return flags
 

@@ -1,18 +1,15 @@
-"""Instruction-style training prompts for chat targets, built from the stdlib function prompts.
+"""Training prompts for chat targets: families of user requests, cleared of HumanEval overlap.
 
-Each prompt of ``artifacts/tiny/prompts/{train,eval}.jsonl`` (a ``def`` line through its
-docstring, ``dflash_lit.tiny.prompts``) becomes a user request such as::
+Families (each ``artifacts/<target>/prompts/<family>.<split>.jsonl``, records ``id``,
+``source``, ``prompt``):
 
-    Complete this Python function:
-    ```python
-    def name(args):
-        \"\"\"docstring\"\"\"
-    ```
+- ``complete`` and ``tasks`` (``code_tasks``): cut from the Python standard library's source.
+- ``magpie`` (``magpie``): requests the instruct target writes itself from its chat template's
+  user prefix (Magpie, arXiv 2406.08464), no dataset needed.
 
-The instruction is one of ``TEMPLATES``, picked by a stable hash of the prompt id (same file
-every build). The chat template is applied later, by ``regenerate.py`` (``chat: auto``).
-Prompts overlapping HumanEval are removed: a function named like a HumanEval entry point, or
-any ``SHINGLE``-word run shared with a HumanEval prompt.
+A prompt overlaps HumanEval when it names a function like a HumanEval entry point or shares a
+``SHINGLE``-word run with a HumanEval prompt; such prompts are dropped and counted. Caps keep
+an unbiased, reproducible choice (a stable hash of the id).
 """
 
 from __future__ import annotations
@@ -21,17 +18,10 @@ import re
 from pathlib import Path
 
 from dflash_lit.tiny.corpus import stable_fraction
-from dflash_lit.tiny.prompts import read_jsonl, write_jsonl
+from dflash_lit.tiny.prompts import write_jsonl
 
-TEMPLATES = (
-    "Complete this Python function:\n```python\n{code}```",
-    "Implement the body of this Python function and reply with the whole function:\n"
-    "```python\n{code}```",
-    "Write the implementation of the following function:\n```python\n{code}```",
-    "Finish this function from the Python standard library module `{module}`:\n"
-    "```python\n{code}```",
-)
 SHINGLE = 8  # words in a run that counts as overlap with HumanEval
+SPLITS = ("train", "eval")
 
 
 def _words(text: str) -> list[str]:
@@ -59,36 +49,48 @@ def function_name(prompt_id: str) -> str:
     return prompt_id.split(":", 1)[-1].split(".")[-1]
 
 
-def instruction(rec: dict) -> str:
-    """The user message for one stdlib prompt record (template chosen by the id's hash)."""
-    k = int(stable_fraction("instruct-template:" + rec["id"]) * len(TEMPLATES))
-    module = rec["id"].split(":", 1)[0]
-    return TEMPLATES[min(k, len(TEMPLATES) - 1)].format(code=rec["prompt"], module=module)
+class OverlapFilter:
+    """Drops prompts overlapping HumanEval (by entry-point name or text) and counts why."""
+
+    def __init__(self) -> None:
+        self.names, self.shingles = humaneval_index()
+
+    def reason(self, rec: dict) -> str | None:
+        """``name`` / ``text`` when ``rec`` overlaps HumanEval, else None."""
+        if ":" in rec["id"] and function_name(rec["id"]) in self.names:
+            return "name"
+        if _shingles(rec["prompt"]) & self.shingles:
+            return "text"
+        return None
 
 
-def build_instruct_prompts(src_dir: Path, out_dir: Path, max_train: int = 3000,
-                           max_eval: int = 200, source: str = "stdlib_instruct") -> dict:
-    """Write ``out_dir/{train,eval}.jsonl`` from ``src_dir/{train,eval}.jsonl``; returns counts.
-
-    Keeps the source's train/eval split (no function in both); drops HumanEval overlaps; caps
-    each split by a stable hash of the id (an unbiased, reproducible choice).
-    """
-    names, shingles = humaneval_index()
-    stats: dict[str, dict[str, int]] = {}
-    for split, cap in (("train", max_train), ("eval", max_eval)):
-        recs = read_jsonl(Path(src_dir) / f"{split}.jsonl")
-        kept, by_name, by_text = [], 0, 0
-        for r in recs:
-            if function_name(r["id"]) in names:
-                by_name += 1
-            elif _shingles(r["prompt"]) & shingles:
-                by_text += 1
-            else:
-                kept.append(r)
-        kept = sorted(kept, key=lambda r: stable_fraction("instruct-pick:" + r["id"]))[:cap]
-        out = [{"id": r["id"], "source": source, "prompt": instruction(r)}
-               for r in sorted(kept, key=lambda r: r["id"])]
-        write_jsonl(out, Path(out_dir) / f"{split}.jsonl")
-        stats[split] = {"source_prompts": len(recs), "humaneval_name_overlap": by_name,
-                        "humaneval_text_overlap": by_text, "written": len(out)}
+def write_family(recs: list[dict], family: str, out_dir: Path, caps: dict[str, int],
+                 split_of, overlap: OverlapFilter) -> dict:
+    """Write ``out_dir/<family>.<split>.jsonl``: deduplicated by id and text, HumanEval
+    overlaps dropped, each split capped by a stable hash of the id, sorted by id."""
+    stats: dict[str, dict[str, int]] = {s: {"candidates": 0, "humaneval_name_overlap": 0,
+                                            "humaneval_text_overlap": 0, "duplicate": 0}
+                                        for s in SPLITS}
+    kept: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    seen_ids: set[str] = set()
+    seen_text: set[str] = set()
+    for r in recs:
+        split = split_of(r["id"])
+        st = stats[split]
+        st["candidates"] += 1
+        if r["id"] in seen_ids or r["prompt"] in seen_text:
+            st["duplicate"] += 1
+            continue
+        seen_ids.add(r["id"])
+        seen_text.add(r["prompt"])
+        why = overlap.reason(r)
+        if why:
+            st[f"humaneval_{why}_overlap"] += 1
+            continue
+        kept[split].append({"id": r["id"], "source": family, "prompt": r["prompt"]})
+    for split in SPLITS:
+        chosen = sorted(kept[split], key=lambda r: stable_fraction(f"{family}-pick:" + r["id"]))
+        chosen = sorted(chosen[:caps[split]], key=lambda r: r["id"])
+        write_jsonl(chosen, Path(out_dir) / f"{family}.{split}.jsonl")
+        stats[split]["written"] = len(chosen)
     return stats

@@ -310,37 +310,85 @@ def require_built(path: str | Path) -> None:
 
 
 # ---------------------------------------------------------------------------- data + CLI
-def build_prompts(out: Path | None = None) -> dict:
-    """``artifacts/smollm2/prompts/{train,eval}.jsonl`` from the shipped stdlib prompts."""
+FAMILIES = ("complete", "tasks", "magpie")  # regenerated in this order (most HumanEval-like first)
+CAPS = {"complete": {"train": 4000, "eval": 80}, "tasks": {"train": 3000, "eval": 60},
+        "magpie": {"train": 2500, "eval": 60}}
+MAGPIE_QUERIES = 3600  # sampled requests (about 3 in 4 finish within GENERATION's 64 tokens)
+
+
+def prompts_dir() -> Path:
+    """``artifacts/smollm2/prompts``."""
     from dflash_lit.resolvers import repo_root
-    from dflash_lit.targets.prompts import build_instruct_prompts
 
-    root = Path(repo_root()) / "artifacts"
-    return build_instruct_prompts(root / "tiny" / "prompts", out or root / NAME / "prompts")
+    return Path(repo_root()) / "artifacts" / NAME / "prompts"
 
 
-def regenerate_split(target: Path, prompts: Path, out: Path, max_new_tokens: int,
-                     batch_size: int, limit: int | None = None, dtype: str = "float32",
-                     device: str = "cpu") -> dict:
-    """One ``regenerate.py`` run (backend hf, greedy, chat template on); returns summary.json."""
+def build_prompts(out: Path | None = None) -> dict:
+    """``complete`` and ``tasks`` prompts cut from this interpreter's stdlib (code_tasks)."""
+    from dflash_lit.targets.code_tasks import complete_prompts, split_of, task_prompts
+    from dflash_lit.targets.prompts import OverlapFilter, write_family
+    from dflash_lit.tiny.corpus import list_stdlib_files, read_files
+
+    files = read_files(list_stdlib_files())
+    overlap, out = OverlapFilter(), out or prompts_dir()
+    return {"complete": write_family(complete_prompts(files), "complete", out, CAPS["complete"],
+                                     split_of, overlap),
+            "tasks": write_family(task_prompts(files), "tasks", out, CAPS["tasks"], split_of,
+                                  overlap)}
+
+
+def _regenerate(target: Path, sources: list[tuple[Path, str]], out: Path, extra: list[str]
+                ) -> dict:
+    """One ``regenerate.py`` run (backend hf, target=smollm2); returns its summary.json."""
     import subprocess
     import sys
 
     from dflash_lit.resolvers import repo_root
 
     require_built(target)
-    args = [
-        sys.executable, str(Path(repo_root()) / "regenerate.py"), "target=smollm2",
-        f"target.path={target}",
-        f"sources=[{{path:{prompts},field:prompt,name:stdlib_instruct,id_field:id}}]",
-        f"out={out}", f"generation.max_new_tokens={max_new_tokens}", f"hf.batch_size={batch_size}",
-        f"hf.device={device}", f"hf.dtype={dtype}", "chat=true", "rows_per_shard=1000",
-        f"run_name=smollm2_data_{out.name}",
-    ]
-    if limit:
-        args.append(f"num_prompts={limit}")
+    src = ",".join(f"{{path:{p},field:prompt,name:{name},id_field:id}}" for p, name in sources)
+    args = [sys.executable, str(Path(repo_root()) / "regenerate.py"), "target=smollm2",
+            f"target.path={target}", f"sources=[{src}]", f"out={out}",
+            f"run_name=smollm2_data_{out.name}", *extra]
     subprocess.run(args, check=True, env=dict(os.environ))
     return json.loads((out / "summary.json").read_text())
+
+
+def build_magpie(target: Path, work: Path, n: int = MAGPIE_QUERIES, batch_size: int = 64,
+                 dtype: str = DTYPE) -> dict:
+    """Sample ``n`` requests from the target (``magpie``) into ``work``, then write
+    ``magpie.{train,eval}.jsonl`` (split by a stable hash, HumanEval overlaps dropped)."""
+    from transformers import AutoTokenizer
+
+    from dflash_lit.targets import magpie
+    from dflash_lit.targets.code_tasks import split_of
+    from dflash_lit.targets.prompts import OverlapFilter, write_family
+    from dflash_lit.tiny.prompts import write_jsonl
+
+    tok = AutoTokenizer.from_pretrained(target)
+    qs = magpie.queries(tok, n)
+    write_jsonl(qs, work / "queries.jsonl")
+    g = magpie.GENERATION
+    _regenerate(target, [(work / "queries.jsonl", "magpie")], work / "shards",
+                ["chat=false", f"generation.temperature={g['temperature']}",
+                 f"generation.top_p={g['top_p']}", f"generation.max_new_tokens={g['max_new_tokens']}",
+                 f"hf.batch_size={batch_size}", f"hf.dtype={dtype}", "rows_per_shard=512"])
+    reqs = magpie.requests_from_shards(work / "shards", {q["id"]: q["opening"] for q in qs}, tok)
+    stats = write_family(reqs, "magpie", prompts_dir(), CAPS["magpie"], split_of, OverlapFilter())
+    return {"queries": n, "finished_requests": len(reqs), **stats}
+
+
+def regenerate_family(target: Path, family: str, split: str, out: Path, max_new_tokens: int,
+                      batch_size: int, dtype: str = DTYPE, device: str = "cpu") -> dict:
+    """Greedy answers of one prompt family's split into ``out`` (resumable: done ids skipped)."""
+    prompts = prompts_dir() / f"{family}.{split}.jsonl"
+    if not prompts.is_file():
+        raise FileNotFoundError(f"{prompts}: missing (python -m dflash_lit.targets.smollm2 "
+                                f"{'magpie' if family == 'magpie' else 'prompts'})")
+    return _regenerate(target, [(prompts, family)], out,
+                       [f"generation.max_new_tokens={max_new_tokens}", f"hf.batch_size={batch_size}",
+                        f"hf.device={device}", f"hf.dtype={dtype}", "chat=true",
+                        "rows_per_shard=256"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,16 +403,22 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", type=Path, default=None, help=f"default: {default_dir()}")
     b.add_argument("--force", action="store_true", help="rebuild even if the fingerprint matches")
     sub.add_parser("path", help="print the default target directory")
-    p = sub.add_parser("prompts", help="instruction prompts -> artifacts/smollm2/prompts/")
+    p = sub.add_parser("prompts", help="complete + tasks prompts -> artifacts/smollm2/prompts/")
     p.add_argument("--out", type=Path, default=None)
+    m = sub.add_parser("magpie", help="requests the target writes itself -> prompts/magpie.*.jsonl")
+    m.add_argument("--target", type=Path, default=None, help=f"default: {default_dir()}")
+    m.add_argument("--queries", type=int, default=MAGPIE_QUERIES)
+    m.add_argument("--batch-size", type=int, default=64)
+    m.add_argument("--work", type=Path, default=Path("outputs/smollm2_magpie"),
+                   help="sampled shards (resumable)")
     d = sub.add_parser("data", help="regenerate artifacts/smollm2/data/{train,val} with the target")
     d.add_argument("--target", type=Path, default=None, help=f"default: {default_dir()}")
+    d.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    d.add_argument("--splits", nargs="+", default=["eval", "train"], choices=["eval", "train"])
     d.add_argument("--max-new-tokens", type=int, default=256)
-    d.add_argument("--batch-size", type=int, default=16)
-    d.add_argument("--limit", type=int, default=None, help="train prompts (default: all)")
-    d.add_argument("--val-limit", type=int, default=None, help="val prompts (default: all)")
+    d.add_argument("--batch-size", type=int, default=64)
     d.add_argument("--device", default="cpu")
-    d.add_argument("--dtype", default="float32")
+    d.add_argument("--dtype", default=DTYPE, help="the dtype evaluation runs the target in")
     args = ap.parse_args(argv)
 
     if args.cmd == "path":
@@ -373,14 +427,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "prompts":
         print(json.dumps(build_prompts(args.out), indent=2))
         return 0
+    if args.cmd == "magpie":
+        print(json.dumps(build_magpie(args.target or default_dir(), args.work, args.queries,
+                                      args.batch_size), indent=2))
+        return 0
     if args.cmd == "data":
-        art = Path(repo_root()) / "artifacts" / NAME
-        target = args.target or default_dir()
-        for split, name, limit in (("train", "train", args.limit), ("eval", "val", args.val_limit)):
-            s = regenerate_split(target, art / "prompts" / f"{split}.jsonl", art / "data" / name,
-                                 args.max_new_tokens, args.batch_size, limit, args.dtype,
-                                 args.device)
-            print(f"{name}: {json.dumps(s.get('dataset'))} | {json.dumps(s.get('throughput'))}")
+        art = Path(repo_root()) / "artifacts" / NAME / "data"
+        for split in args.splits:
+            for family in args.families:
+                s = regenerate_family(args.target or default_dir(), family, split,
+                                      art / ("val" if split == "eval" else "train"),
+                                      args.max_new_tokens, args.batch_size, args.dtype,
+                                      args.device)
+                print(f"{family}.{split}: {json.dumps(s.get('dataset'))} | "
+                      f"{json.dumps(s.get('throughput'))}")
         return 0
     try:
         build(args.out, force=args.force)

@@ -117,7 +117,7 @@ class StatusLine(Callback):
                 f"{n}:{get(f'train/{n}/acc'):.3f}" for n in pl_module.drafters) + "]"
         tau = get(f"val/{name}/tau_chain")
         if tau == tau:  # logged by the real-τ callback
-            extra += f" tau={tau:.2f} ({get(f'val/{name}/tau_chain_vs_ngram'):.2f}x ngram)"
+            extra += f" tau={tau:.2f} ({get(f'val/{name}/tau_chain_vs_model_free'):.2f}x model-free)"
         plateau = sorted(getattr(pl_module, "plateau_warnings", {}))
         if plateau:
             extra += f" PLATEAU:{','.join(plateau)}"

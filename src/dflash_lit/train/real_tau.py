@@ -3,11 +3,13 @@
 The offline streak (teacher-forced, on the training layout) can look healthy while real
 acceptance collapses, so every ``every_n_steps`` steps and at the last step this callback
 decodes ``num_prompts`` held-out prompts greedily against the target — chain, one DDTree
-budget, and the n-gram (prompt lookup) baseline on the same prompts (computed once) — and
-logs per drafter:
+budget, and the model-free baselines on the same prompts (computed once: n-gram with vLLM's
+rule and suffix decoding) — and logs per drafter:
 
-- ``val/<name>/tau_chain``, ``val/<name>/tau_tree_b<b>``, ``val/tau_ngram``;
-- ``val/<name>/tau_chain_vs_ngram`` (the ratio a user should watch: > 1 beats no training);
+- ``val/<name>/tau_chain``, ``val/<name>/tau_tree_b<b>``, ``val/tau_ngram``, ``val/tau_suffix``,
+  ``val/tau_model_free`` (the larger of the two);
+- ``val/<name>/tau_chain_vs_model_free`` (the ratio a user should watch: > 1 beats what a
+  user gets without training) and ``val/<name>/tau_chain_vs_ngram``;
 - ``val/<name>/chain_accept/<k>``: per-slot acceptance rate of the chain;
 - ``val/<name>/lossless`` (1 = every output equal to the target's greedy decode);
 - ``perf/real_tau_share``: this callback's share of the wall time so far.
@@ -109,12 +111,16 @@ class RealAcceptance(Callback):
         if not prompts:
             return {}
         out: dict[str, float] = {}
-        if self._ngram is None:  # the baseline does not change with training: once
+        if self._ngram is None:  # the baselines do not change with training: once
             first = next(iter(pl_module.drafters.values()))
             rep = run_evaluation(model, first, prompts, EvalSettings(
-                methods=["ngram"], max_new_tokens=self.max_new, warmup=False), progress=False)
-            self._ngram = {"tau": rep["tau_ngram"], "lossless": rep["lossless"]}
+                methods=["ngram", "suffix"], max_new_tokens=self.max_new, warmup=False),
+                progress=False)
+            self._ngram = {"tau": rep["tau_ngram"], "suffix": rep["methods"]["suffix"]["tau"],
+                           "lossless": rep["lossless"]}
         out["val/tau_ngram"] = float(self._ngram["tau"])
+        out["val/tau_suffix"] = float(self._ngram["suffix"])
+        out["val/tau_model_free"] = max(out["val/tau_ngram"], out["val/tau_suffix"])
         for name, drafter in pl_module.drafters.items():
             was_training = drafter.training
             rep = run_evaluation(model, drafter, prompts, EvalSettings(
@@ -125,6 +131,8 @@ class RealAcceptance(Callback):
             out[f"val/{name}/tau_chain"] = float(rep["tau_chain"])
             out[f"val/{name}/tau_tree_b{self.budget}"] = float(rep["tau_tree"][str(self.budget)])
             out[f"val/{name}/tau_chain_vs_ngram"] = float(rep["tau_chain"]) / out["val/tau_ngram"]
+            out[f"val/{name}/tau_chain_vs_model_free"] = (float(rep["tau_chain"])
+                                                         / out["val/tau_model_free"])
             out[f"val/{name}/lossless"] = float(rep["lossless"] and self._ngram["lossless"])
             for k, r in enumerate(chain.get("slot_accept_rate") or [], start=1):
                 if r is not None:
