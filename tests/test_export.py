@@ -281,3 +281,36 @@ def test_trust_checkpoint_is_the_only_way_to_unpickle_objects(tmp_path):
     plain = tmp_path / "plain.ckpt"  # what dflash-lit writes loads without any opt-in
     torch.save({"state_dict": {"w": torch.ones(2)}, "dflash": {"version": 1}}, plain)
     assert safe_load(plain)["dflash"] == {"version": 1}
+
+
+def test_a_mask_token_that_is_a_stop_token_is_one_warning_line(tmp_path, caplog):
+    """z-lab's reference loop stops at the first stop token after the prompt, and it pre-fills
+    its buffer with the mask token: a drafter whose mask is the target's EOS reports tau 1.0
+    there. Export (from the ids the training run recorded) and training config say so."""
+    import logging
+
+    from dflash_lit.compat import mask_stop_problem, stop_token_ids
+
+    class C:
+        eos_token_id = [3, 7]
+
+    class G:
+        eos_token_id = 5
+
+    assert stop_token_ids(C(), G()) == [3, 5, 7] and stop_token_ids(C(), None) == [3, 7]
+    assert mask_stop_problem(4, [3, 5], "target") is None
+    msg = mask_stop_problem(3, [3, 5], "target")
+    assert "mask_token_id=3 is a stop token of the target (eos ids [3, 5])" in msg
+    assert "target.mask_token_id" in msg and "\n" not in msg
+    torch.manual_seed(0)
+    ckpt = make_ckpt(tmp_path / "m.ckpt", {"main": DFlashDrafter(cfg(mask_token_id=3))}, "t")
+    ck = torch.load(ckpt, weights_only=True)
+    ck["dflash"]["target"]["eos_token_ids"] = [3]  # what training records now
+    torch.save(ck, ckpt)
+    with caplog.at_level(logging.WARNING):
+        export_zlab(ckpt, tmp_path / "out")
+    assert any("mask_token_id=3 is a stop token" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        export_zlab(ckpt, tmp_path / "out2", stop_ids=[0])  # the target says otherwise
+    assert not any("stop token" in r.getMessage() for r in caplog.records)

@@ -70,3 +70,28 @@ def check_compatible(drafter_cfg: DFlashConfig, target: nn.Module | dict[str, in
             + ". Use the drafter with the target it was trained for."
         )
     return dims
+
+
+def stop_token_ids(config, generation_config=None) -> list[int]:
+    """The target's stop ids: ``eos_token_id`` of its config and of its generation config
+    (each an int, a list or None)."""
+    ids: set[int] = set()
+    for c in (config, generation_config):
+        eos = getattr(c, "eos_token_id", None) if c is not None else None
+        if eos is not None:
+            ids.update([int(eos)] if isinstance(eos, int) else (int(e) for e in eos))
+    return sorted(ids)
+
+
+def mask_stop_problem(mask_token_id: int, stop_ids: list[int], where: str) -> str | None:
+    """One line when the mask token is one of the target's stop tokens, else None.
+
+    Our evaluator is unaffected, but z-lab's reference decoding loop (the one users try
+    first) pre-fills its output buffer with the mask token and ends at the first stop token
+    after the prompt: it stops after one block and reports tau 1.0.
+    """
+    if mask_token_id not in stop_ids:
+        return None
+    return (f"{where}: mask_token_id={mask_token_id} is a stop token of the target (eos ids "
+            f"{stop_ids}): z-lab's reference loop ends after one block with such a drafter; "
+            "pick another mask token (target.mask_token_id)")

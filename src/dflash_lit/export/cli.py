@@ -11,7 +11,7 @@ import logging
 
 from omegaconf import DictConfig
 
-from dflash_lit.compat import check_compatible
+from dflash_lit.compat import check_compatible, stop_token_ids
 from dflash_lit.dtypes import parse_dtype
 from dflash_lit.errors import input_checks
 from dflash_lit.eval.loading import load_drafter
@@ -35,8 +35,9 @@ def export(cfg: DictConfig) -> int:
             drafter, _ = load_drafter(cfg.ckpt, cfg.drafter, trust=cfg.trust_checkpoint)
             check_compatible(drafter.config, model)
             lm_head = model.get_output_embeddings()
+            stops = stop_token_ids(model.config, getattr(model, "generation_config", None))
         res = export_zlab(cfg.ckpt, cfg.out, name=cfg.drafter, dtype=dtype, lm_head=lm_head,
-                          trust=cfg.trust_checkpoint)
+                          trust=cfg.trust_checkpoint, stop_ids=stops if cfg.target else None)
     limit = cfg.max_abs_diff if cfg.max_abs_diff is not None else (0.0 if dtype is None else None)
     print(f"exported {res.name or cfg.ckpt} -> {res.out_dir} ({res.dtype})")
     print(f"reload check: weights equal={res.weights_equal}, max abs diff outputs="

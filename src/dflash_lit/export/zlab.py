@@ -8,15 +8,19 @@ that takes "input of layer" ids would need id + 1 (docs/ARCHITECTURE.md §1).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dflash_lit.compat import mask_stop_problem
 from dflash_lit.dtypes import parse_dtype
 from dflash_lit.eval.loading import DrafterInfo, load_drafter
 from dflash_lit.model.drafter import DFlashDrafter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -153,6 +157,7 @@ def export_zlab(
     dtype: str | torch.dtype | None = None,
     lm_head: torch.nn.Module | None = None,
     trust: bool = False,
+    stop_ids: list[int] | None = None,
 ) -> ExportResult:
     """Write ``ckpt``'s drafter ``name`` as a z-lab directory, reload it and compare.
 
@@ -163,6 +168,11 @@ def export_zlab(
     td = (dtype if isinstance(dtype, torch.dtype) or dtype is None
           else parse_dtype(dtype, "dtype", keep=True))
     drafter, info = load_drafter(ckpt, name, trust=trust)
+    # the target's stop ids: given, else as the training run recorded them
+    stops = list(stop_ids) if stop_ids is not None else list(info.target.get("eos_token_ids") or [])
+    problem = mask_stop_problem(drafter.config.mask_token_id, stops, f"ckpt={ckpt}")
+    if problem:
+        log.warning(problem)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise FileExistsError(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_lit.compat import mask_stop_problem, stop_token_ids
 from dflash_lit.config_types import check_values
 from dflash_lit.dtypes import parse_dtype
 from dflash_lit.errors import UserError
@@ -15,6 +17,8 @@ from dflash_lit.model.config import DFlashConfig, default_target_layer_ids
 from dflash_lit.train.losses import build_loss
 from dflash_lit.train.overrides import DRAFTER_KEYS, check_loss, check_overrides, check_schedule
 from dflash_lit.train.spec import AnchorSpec, DrafterSpec, NoiseSpec
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- target
@@ -119,7 +123,20 @@ def target_info(tcfg: DictConfig) -> dict[str, Any]:
         # what a serving engine pairing the exported drafter with this target needs to know
         "architectures": _architectures(hf),
         "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
+        "eos_token_ids": stop_token_ids(hf, _generation_config(tcfg)),
     }
+
+
+def _generation_config(tcfg: DictConfig):
+    """The target directory's generation config (its stop tokens), None without one."""
+    if not tcfg.get("path"):
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(tcfg.path))
+    except OSError:  # no generation_config.json
+        return None
 
 
 # ---------------------------------------------------------------------- drafters
@@ -135,6 +152,9 @@ def build_specs(cfg: DictConfig, info: dict[str, Any]) -> list[DrafterSpec]:
     if not cfg.get("drafters"):
         raise UserError("drafters: empty; give at least one drafter (conf/drafters/single.yaml)")
     mask_id = resolve_mask_token_id(cfg.target, info["vocab_size"])
+    problem = mask_stop_problem(mask_id, info.get("eos_token_ids", []), "target")
+    if problem:
+        log.warning(problem)
     specs = []
     for name, over in cfg.drafters.items():
         over = over or OmegaConf.create({})
