@@ -50,13 +50,14 @@ def test_suffix_index_counts_substrings_and_matches_the_longest_suffix_with_a_co
 
 def test_suffix_draft_is_best_first_by_empirical_probability():
     idx = SuffixIndex(depth=6)
-    seq = [1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2]  # after "1 2": 3 twice, 4 once
+    seq = [1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2]  # "1 2" 4 times: then 3 twice, 4 once, now open
     idx.extend(seq)
     tree, score = suffix_draft([idx], seq, budget=3, max_depth=4, min_prob=0.1)
     paths = tree_paths(tree)
-    # longest matched suffix with a continuation: "2 4 1 2"? only at the end; "1 2" has 3 -> 2/3
+    # longest matched suffix with a continuation: "2 4 1 2" occurs only at the end; "1 2"
+    # went on with 3 in 2 of its 4 occurrences
     assert paths[0] == (3,)
-    assert math.isclose(math.exp(float(tree.scores[0])), 2 / 3)
+    assert math.isclose(math.exp(float(tree.scores[0])), 2 / 4)
     assert len(paths) == 3 and all(p[:-1] in paths[:i] or len(p) == 1 for i, p in enumerate(paths))
     assert math.isclose(score, sum(math.exp(s) for s in tree.scores.tolist()))
     tree_attention_mask(tree)  # a valid tree: parents precede children
@@ -73,7 +74,8 @@ def test_suffix_draft_takes_the_better_of_the_request_and_the_global_index():
     tree, score = suffix_draft([local, glob], tokens, budget=8, max_depth=4)
     assert tree_paths(tree) == [(7,), (7, 8), (7, 8, 9), (7, 8, 9, 10)] and score == 4.0
     alone, s_local = suffix_draft([local], tokens, budget=8, max_depth=4)
-    assert alone.num_nodes == 7 and s_local == 3.5  # two branches of probability 1/2
+    # "5 6" 3 times in the request: 1 once, 2 once, and the open end: two branches at 1/3
+    assert alone.num_nodes == 7 and math.isclose(s_local, 7 / 3)
 
 
 def _tree(paths_scores):

@@ -76,7 +76,7 @@ def test_regenerate_train_evaluate(target_dir, tmp_path):
     # 1. regenerate: 2 held-out instruction prompts x 16 greedy tokens, chat template applied
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         rcfg = compose("regenerate", overrides=["target=smollm2"])
-    prompts = REPO / "artifacts" / "smollm2" / "prompts" / "eval.jsonl"
+    prompts = REPO / "artifacts" / "smollm2" / "prompts" / "complete.eval.jsonl"
     for key, value in {
         "sources": [{"path": str(prompts), "field": "prompt", "name": "stdlib_instruct",
                      "id_field": "id"}],

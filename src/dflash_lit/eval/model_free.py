@@ -8,10 +8,11 @@ merge the hybrid methods use. Pure Python over token ids; no model.
   continuation is cut at the end of the sequence, short inside loops).
 - ``SuffixIndex`` / ``suffix_draft``: SuffixDecoding (arXiv 2411.04975; ArcticInference ships
   the reference). Counts of every substring up to ``depth`` tokens of the indexed text form a
-  suffix trie; the longest suffix of the current sequence found there (with a continuation)
-  roots a draft tree grown best-first by the empirical continuation probability
-  ``count(child) / count(children of the parent)``, kept while the path probability is at least
-  ``min_prob``. The tree's score (Σ path probabilities) is its expected number of accepted
+  suffix trie; the longest suffix of the current sequence found there (with a continuation
+  and room below it for a full draft) roots a draft tree grown best-first by the empirical
+  continuation probability ``count(child) / count(parent)`` (the parent's occurrences include
+  the current one, which has no continuation yet: a pattern seen once before drafts at 1/2),
+  kept while the path probability is at least ``min_prob``. The tree's score (Σ path probabilities) is its expected number of accepted
   tokens under those counts. One index holds the request (prompt + output so far), another the
   earlier outputs served (a global cache); the better-scoring draft is used.
 - ``merge_trees``: two draft trees as one, nodes taken by decreasing path probability within a
@@ -65,7 +66,7 @@ class SuffixIndex:
     (a suffix trie cut at ``depth``), updated in O(depth) per appended token. Separate
     sequences (``end_sequence``) never form substrings across their boundary."""
 
-    def __init__(self, depth: int = 24) -> None:
+    def __init__(self, depth: int = 32) -> None:
         if depth < 2:
             raise ValueError(f"suffix depth={depth}: need >= 2")
         self.depth = depth
@@ -92,10 +93,11 @@ class SuffixIndex:
         self._open = []
         self.length = 0
 
-    def match(self, tokens: Sequence[int]) -> tuple[_Node | None, int]:
-        """(node, length) of the longest suffix of ``tokens`` (< depth) that occurs in the
-        index with a continuation; (None, 0) if none does."""
-        for m in range(min(self.depth - 1, len(tokens)), 0, -1):
+    def match(self, tokens: Sequence[int], room: int = 1) -> tuple[_Node | None, int]:
+        """(node, length) of the longest suffix of ``tokens`` that occurs in the index with a
+        continuation and leaves ``room`` levels below it (length <= depth - room); (None, 0)
+        if none does."""
+        for m in range(min(self.depth - max(room, 1), len(tokens)), 0, -1):
             node = self.root
             for t in tokens[len(tokens) - m:]:
                 node = node.children.get(t)
@@ -115,9 +117,10 @@ def _grow(node: _Node, budget: int, max_depth: int, min_prob: float) -> list[tup
 
     def push(parent_idx: int, parent: _Node, prob: float, depth: int) -> None:
         nonlocal tie
-        total = sum(c.count for c in parent.children.values())
         for tok, child in parent.children.items():
-            p = prob * child.count / total
+            # occurrences of the parent that went on with this token, over all its
+            # occurrences (the current one, and any at a sequence end, have no continuation)
+            p = prob * child.count / parent.count
             if p >= min_prob:
                 tie += 1
                 heapq.heappush(heap, (-p, tie, parent_idx, depth, tok, child))
@@ -153,7 +156,7 @@ def suffix_draft(indexes: Sequence[SuffixIndex], tokens: Sequence[int], budget: 
     best: list[tuple[float, int, int, int]] = []
     best_score = 0.0
     for index in indexes:
-        node, _ = index.match(tokens)
+        node, _ = index.match(tokens, room=max_depth)
         if node is None:
             continue
         nodes = _grow(node, budget, max_depth, min_prob)

@@ -54,7 +54,7 @@ class EvalSettings:
     ngram_n_min: int = 1
     ngram_rule: str = "earliest"  # vLLM's; "latest" = the most recent occurrence
     suffix_budget: int = 16  # suffix decoding: draft tree nodes per step
-    suffix_depth: int = 24  # longest substring the suffix indexes count
+    suffix_depth: int = 32  # longest substring the suffix indexes count
     suffix_min_prob: float = 0.1  # drop draft nodes whose path probability is below this
     offline_streak: bool = False
     warmup: bool = True

@@ -18,7 +18,8 @@ Methods:
 - ``ngram_generate``: prompt-lookup drafting (vLLM's rule by default), chain verification.
 - ``suffix_generate``: suffix decoding (``model_free``), tree verification.
 - ``hybrid_generate``: per step the suffix draft when its score (expected accepted tokens
-  under its counts) reaches the drafter's mean accepted tokens so far in the request, else
+  under its counts, calibrated by its record in the request) reaches the drafter's mean
+  accepted tokens so far in the request, else
   the drafter's DDTree (the suffix step skips the drafter's forward); ``merge=True`` instead
   merges both trees into one within the node budget every step.
 
@@ -513,7 +514,7 @@ def suffix_generate(
     block_size: int = 16,
     budget: int = 16,
     global_index: SuffixIndex | None = None,
-    depth: int = 24,
+    depth: int = 32,
     min_prob: float = 0.1,
 ) -> GenerationResult:
     """Suffix decoding: a draft tree (``budget`` nodes, ``block_size - 1`` deep) from the
@@ -551,14 +552,15 @@ def hybrid_generate(
     top_k: int | None = None,
     global_index: SuffixIndex | None = None,
     merge: bool = False,
-    depth: int = 24,
+    depth: int = 32,
     min_prob: float = 0.1,
 ) -> GenerationResult:
     """Drafter + suffix decoding as a serving engine runs them, ``budget`` nodes per step.
 
-    ``merge=False`` (``hybrid``): the suffix tree when its score reaches the drafter's mean
-    accepted tokens per step so far in this request (1 before its first step), else the
-    drafter's DDTree; a suffix step skips the drafter's forward. ``merge=True`` (``merged``):
+    ``merge=False`` (``hybrid``): the suffix tree when its score, calibrated by the suffix
+    steps so far (accepted / predicted in this request), reaches the drafter's mean accepted
+    tokens per step so far (1 before its first step), else the drafter's DDTree; a suffix step
+    skips the drafter's forward. ``merge=True`` (``merged``):
     DDTree and suffix tree merged into one tree of ``budget`` nodes every step.
     """
     _check_max_new(max_new_tokens)
@@ -567,6 +569,7 @@ def hybrid_generate(
     local = SuffixIndex(depth)
     indexes = [local] + ([global_index] if global_index is not None else [])
     drafter_steps = [1.0, 1]  # accepted nodes, steps (prior: one token per step)
+    suffix_steps = [1.0, 1.0]  # accepted nodes, predicted scores (calibration, prior 1)
 
     def step(st: _Decode) -> None:
         _needs_kv_cache(st, "hybrid")
@@ -576,8 +579,10 @@ def hybrid_generate(
             st.verify_chain([])
             return
         sfx, score = suffix_draft(indexes, st.tokens, budget, d, min_prob)
-        if not merge and sfx.num_nodes and score >= drafter_steps[0] / drafter_steps[1]:
-            _verify_tree(st, sfx)
+        calibrated = score * suffix_steps[0] / suffix_steps[1]
+        if not merge and sfx.num_nodes and calibrated >= drafter_steps[0] / drafter_steps[1]:
+            suffix_steps[0] += _verify_tree(st, sfx)
+            suffix_steps[1] += score
             return
         logits = proposer.draft_logits(st.tokens)[:d]
         k = min(top_k or budget, logits.shape[-1])
