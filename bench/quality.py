@@ -3,7 +3,7 @@
 Recipes: v3_composite, v4_5layer, v5_hardce, v6_dpace, v6_muon, and the γ sweep
 (multi_drafter: v5 drafters with γ = 4, 7, 10 off one target forward). Each recipe trains once
 per seed with the default budget (`budget=tiny`, plus ``--train-overrides``), then each of its
-drafters is evaluated with real greedy speculative decoding (chain, DDTree-16 and the n-gram
+drafters is evaluated with real greedy speculative decoding (chain, DDTree-16 and the latest-occurrence n-gram
 baseline, lossless checked) on HumanEval and on the held-out default prompts. The table gives
 mean ± standard deviation over the seeds of the final val streak and of every τ, and each
 recipe's chain τ relative to v5's.
@@ -168,7 +168,7 @@ def evaluate(run_dir: Path, drafter: str, prompts: str, limit: int, max_new: int
         cmd = [sys.executable, str(REPO / "evaluate.py"),
                f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}", f"drafter={drafter}",
                f"prompts={prompts}", f"limit={limit}", f"max_new_tokens={max_new}",
-               f"budgets=[{TREE_BUDGET}]", "methods=[chain,tree,ngram]", "progress=false",
+               f"budgets=[{TREE_BUDGET}]", "methods=[chain,tree,ngram]", "ngram.rule=latest", "progress=false",
                f"out={out}"]
         subprocess.run(cmd, check=True, cwd=REPO)
     return json.loads((out / "report.json").read_text())
@@ -296,7 +296,7 @@ def main() -> None:
     table = fmt_table(agg) + (
         f"\n\nmean ± sd over seeds; he = HumanEval, ho = held-out default prompts (first "
         f"{args.limit} each, max_new_tokens={args.max_new_tokens}); chain, DDTree-{TREE_BUDGET}"
-        f" and n-gram τ from evaluate.py; equal budget for every recipe: {budget}")
+        f" and n-gram τ (latest-occurrence rule) from evaluate.py; equal budget for every recipe: {budget}")
     if slots:
         table += ("\n\n" + fmt_table(slots) + "\n\nHumanEval chain: share of drafting steps that "
                   "accepted slots 1..k, mean ± sd over the seeds that recorded it")
