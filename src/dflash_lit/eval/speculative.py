@@ -460,14 +460,21 @@ def tree_generate(
         if depth == 0:
             st.verify_chain([])
             return
-        logits = proposer.draft_logits(st.tokens)[:depth]
-        k = min(top_k or budget, logits.shape[-1])
-        lp, ids = F.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-        _verify_tree(st, build_ddtree(lp.cpu(), ids.cpu(), budget))
+        _verify_tree(st, _draft_ddtree(proposer, st.tokens, depth, budget, top_k))
 
     st = _Decode(runner, _prompt_list(prompt_ids), max_new_tokens, _eos_set(eos_ids), slots,
                  f"tree_b{budget}", proposer.observe)
     return _run(st, step)
+
+
+def _draft_ddtree(proposer: BlockProposer, tokens: list[int], depth: int, budget: int,
+                  top_k: int | None) -> Any:
+    """The DDTree of ``budget`` nodes over the first ``depth`` slots of the drafter's block
+    (per-slot top-k, k = ``top_k`` or min(budget, V))."""
+    logits = proposer.draft_logits(tokens)[:depth]
+    k = min(top_k or budget, logits.shape[-1])
+    lp, ids = F.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return build_ddtree(lp.cpu(), ids.cpu(), budget)
 
 
 def _verify_tree(st: _Decode, tree: Any) -> int:
@@ -584,10 +591,7 @@ def hybrid_generate(
             suffix_steps[0] += _verify_tree(st, sfx)
             suffix_steps[1] += score
             return
-        logits = proposer.draft_logits(st.tokens)[:d]
-        k = min(top_k or budget, logits.shape[-1])
-        lp, ids = F.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-        tree = build_ddtree(lp.cpu(), ids.cpu(), budget)
+        tree = _draft_ddtree(proposer, st.tokens, d, budget, top_k)
         if merge:
             _verify_tree(st, merge_trees(tree, sfx, budget))
             return
