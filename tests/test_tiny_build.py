@@ -11,7 +11,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_lit.tiny.build import build, sha256_file
+from dflash_lit.hashing import sha256_file
+from dflash_lit.tiny.build import build
 from dflash_lit.tiny.corpus import SourceFile, split_files, stable_fraction
 from dflash_lit.tiny.model import get_preset, make_model
 from dflash_lit.tiny.pretrain import StepIndexedChunks, chunk, cosine_with_warmup, pretrain

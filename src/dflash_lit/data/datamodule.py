@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Any
 
@@ -14,14 +13,14 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from dflash_lit.data.bucketing import BucketBatchSampler
 from dflash_lit.data.collate import PadCollator
 from dflash_lit.data.shards import OVERLENGTH_MODES, FilterReport, ShardDataset, load_shards
+from dflash_lit.hashing import blake2b_64
 
 log = logging.getLogger(__name__)
 
 
 def id_hash(ids: list[str]) -> np.ndarray:
     """Deterministic uniform value in [0, 1) per id (blake2b), independent of row order."""
-    h = [int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big") for s in ids]
-    return np.asarray(h, dtype=np.float64) / 2.0**64
+    return np.asarray([blake2b_64(s, "big") for s in ids], dtype=np.float64) / 2.0**64
 
 
 class DFlashDataModule(L.LightningDataModule):

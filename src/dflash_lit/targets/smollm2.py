@@ -18,7 +18,6 @@ are read.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -29,6 +28,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from dflash_lit.hashing import sha256_file
 from dflash_lit.targets import cache_root
 
 NAME = "smollm2"
@@ -80,16 +80,6 @@ def wheel_available() -> bool:
     except WheelMissing:
         return False
     return True
-
-
-def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-            if progress:
-                progress(len(block))
-    return h.hexdigest()
 
 
 def _pkg_version(name: str) -> str | None:

@@ -14,7 +14,6 @@ interrupted build resumes. ``target/`` is replaced atomically at every snapshot;
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import platform
@@ -27,6 +26,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
+from dflash_lit.hashing import sha256_file
+
 from .corpus import list_stdlib_files, read_files, split_files, stable_fraction, stdlib_root
 from .model import TinyPreset, make_model
 from .pretrain import chunk, mean_loss, pack_documents, pretrain
@@ -35,15 +36,6 @@ from .tokenizer import build_tokenizer, save_tokenizer
 
 TARGET_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                 "tokenizer_config.json")
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def corpus_split(p: TinyPreset) -> tuple[list[str], list[str]]:

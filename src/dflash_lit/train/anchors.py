@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import Tensor
 
 from dflash_lit.data.anchors import anchor_candidates
+from dflash_lit.hashing import seed_from
 
 
 def step_generator(seed: int, step: int, rank: int, salt: str = "anchors") -> torch.Generator:
@@ -15,9 +14,8 @@ def step_generator(seed: int, step: int, rank: int, salt: str = "anchors") -> to
 
     Everything random per training step derives from this, so resume needs no saved RNG.
     """
-    digest = hashlib.blake2b(f"{salt}:{seed}:{step}:{rank}".encode(), digest_size=8).digest()
     g = torch.Generator(device="cpu")
-    g.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    g.manual_seed(seed_from(salt, seed, step, rank))
     return g
 
 

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any
 
@@ -21,6 +20,7 @@ from torch import Tensor, nn
 
 from dflash_lit import checkpoint as ckpt_contract
 from dflash_lit.compat import check_compatible
+from dflash_lit.hashing import seed_from
 from dflash_lit.model.block_forward import draft_hidden
 from dflash_lit.model.drafter import DFlashDrafter
 from dflash_lit.model.layout import (
@@ -40,12 +40,6 @@ from dflash_lit.train.plateau import PlateauDiagnostics, plateau_message
 from dflash_lit.train.schedules import lr_factor, max_anchors_at, noise_sigma
 from dflash_lit.train.spec import DrafterSpec, MuonSettings
 
-
-def _seed_int(*parts: Any) -> int:
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
 FUSED_LOSSES = (HardCELoss, DPaceLoss)  # run fused with the frozen lm_head (linear_ce)
 
 
@@ -53,7 +47,7 @@ def _init_drafter(spec: DrafterSpec, seed: int) -> DFlashDrafter:
     """A drafter initialised from (seed, name) alone: the same weights whatever ran before
     (an online target build, a feature-cache build, other drafters)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_seed_int("init", seed, spec.name))
+        torch.manual_seed(seed_from("init", seed, spec.name))
         return DFlashDrafter(spec.model)
 
 
@@ -187,7 +181,7 @@ class DFlashModule(L.LightningModule):
         if sigma <= 0:
             return x
         g = torch.Generator(device=x.device)
-        g.manual_seed(_seed_int("noise", self.seed, step, self.global_rank, name))
+        g.manual_seed(seed_from("noise", self.seed, step, self.global_rank, name))
         if self.specs[name].noise.kind == "uniform":
             z = torch.rand(x.shape, generator=g, device=x.device, dtype=x.dtype) * 2 - 1
         else:
