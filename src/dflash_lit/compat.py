@@ -7,6 +7,7 @@ import warnings
 from torch import nn
 
 from dflash_lit.errors import UserError
+from dflash_lit.hf import text_config
 from dflash_lit.model.config import DFlashConfig
 from dflash_lit.model.target import FrozenTarget, TargetHeads
 
@@ -18,7 +19,7 @@ def target_dims(target: nn.Module) -> dict[str, int]:
                 "vocab_size": target.vocab_size}
     model = target.model if isinstance(target, FrozenTarget) else target
     cfg = getattr(model, "config", None)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = text_config(cfg)
     hidden = int(model.get_input_embeddings().weight.shape[1])
     head = model.get_output_embeddings()
     vocab = int(head.weight.shape[0]) if head is not None else int(getattr(text, "vocab_size", 0))

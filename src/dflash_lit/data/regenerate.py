@@ -31,6 +31,7 @@ from dflash_lit.data.prompts import Prompt, PromptError, load_source, mix, parse
 from dflash_lit.data.render import PromptRenderer, resolve_chat
 from dflash_lit.data.vocab import META_KEY, check_tokenizer_fits, tokenizer_fingerprint
 from dflash_lit.errors import UserError
+from dflash_lit.hf import text_config
 from dflash_lit.paths import repo_relative
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ def _target_vocab_size(target: str) -> int:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(target)
-    return int((cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).vocab_size)
+    return int(text_config(cfg).vocab_size)
 
 
 def _generation_settings(cfg: Any, target: str, tokenizer: Any) -> GenerationSettings:

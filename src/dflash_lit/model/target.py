@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_lit.hf import text_config
+
 _LAYER_LIST_NAMES = ("layers", "h", "blocks")
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm")
 
@@ -147,7 +149,7 @@ class FrozenTarget(_FrozenHeads):
         self.__dict__["_decoder"] = decoder
         self.__dict__["_layers"] = layers
         cfg = getattr(model, "config", None)
-        self.config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.config = text_config(cfg)
         n_cfg = getattr(self.config, "num_hidden_layers", None)
         # Some models append extra (e.g. MTP) layers beyond num_hidden_layers and never run them.
         self.num_layers = min(len(self._layers), n_cfg) if n_cfg else len(self._layers)
@@ -324,7 +326,7 @@ class TargetHeads(_FrozenHeads):
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(str(path))
-        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        cfg = text_config(cfg)
         found: dict[str, torch.Tensor] = {}
         files = sorted(Path(path).glob("*.safetensors"))
         index = Path(path) / "model.safetensors.index.json"

@@ -13,6 +13,7 @@ from dflash_lit.compat import mask_stop_problem, stop_token_ids
 from dflash_lit.config_types import check_values
 from dflash_lit.dtypes import parse_dtype
 from dflash_lit.errors import UserError
+from dflash_lit.hf import text_config
 from dflash_lit.model.config import DFlashConfig, default_target_layer_ids
 from dflash_lit.train.losses import build_loss
 from dflash_lit.train.overrides import DRAFTER_KEYS, check_loss, check_overrides, check_schedule
@@ -49,10 +50,6 @@ def _build_random(build: DictConfig):
     if kind not in fn:
         raise UserError(f"target.build.kind={kind!r}: use one of {sorted(fn)}")
     return fn[kind](**kw)
-
-
-def _text_config(cfg):
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def build_target(tcfg: DictConfig, layer_ids: list[int]):
@@ -112,7 +109,7 @@ def _architectures(hf) -> list[str]:
 
 
 def target_info(tcfg: DictConfig) -> dict[str, Any]:
-    hf = _text_config(target_hf_config(tcfg))
+    hf = text_config(target_hf_config(tcfg))
     return {
         "path": str(tcfg.path) if tcfg.get("path") else None,
         "build": OmegaConf.to_container(tcfg.build, resolve=True) if tcfg.get("build") else None,
