@@ -81,23 +81,10 @@ def peaks(n: int = 2048) -> dict[str, float]:
 
 
 def compose_train(overrides: Sequence[str]):
-    """The resolved train.py config for ``overrides`` (Hydra compose; no run directory)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """The resolved train.py config for ``overrides``, run directory ``results/_scratch``."""
+    from dflash_lit.train.run import compose_train as compose
 
-    import dflash_lit.resolvers  # noqa: F401  (${repo_root:})
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(RESULTS / "_scratch")
-        del cfg["hydra"]
-    return cfg
+    return compose(overrides, RESULTS / "_scratch")
 
 
 def drafter_step_parts(cfg: Any, batch: int, seq: int, prompt_len: int, min_id: int):

@@ -8,13 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import Callback
-from omegaconf import open_dict
 
 import dflash_lit.resolvers  # noqa: F401
+from dflash_lit.train.run import compose_train  # noqa: F401  (imported from here by the tests)
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -63,18 +60,6 @@ def base_overrides(tmp: Path, data: Path, val: Path | None = None) -> list[str]:
         f"paths.log_dir={tmp}/outputs",
     ]
     return ov
-
-
-def compose_train(overrides: list[str], run_dir: Path):
-    """Compose conf/train.yaml like `python train.py <overrides>` would, with a fixed run dir."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(run_dir)
-        cfg.hydra.runtime.output_dir = str(run_dir)
-    HydraConfig.instance().set_config(cfg)
-    return cfg
 
 
 def run_train(overrides: list[str], run_dir: Path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import hydra
@@ -119,6 +120,25 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
         train_vocab=train_vocab,
     )
     return module, dm, total
+
+
+def compose_train(overrides: Sequence[str], run_dir: str | Path) -> DictConfig:
+    """``conf/train.yaml`` composed as ``python train.py <overrides>`` composes it, with the
+    run directory ``run_dir`` (for notebooks, bench scripts and tests: no Hydra app)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    from dflash_lit.resolvers import repo_root
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(Path(repo_root()) / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(run_dir)
+        cfg.hydra.runtime.output_dir = str(run_dir)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
 
 
 def train(cfg: DictConfig) -> float | None:
