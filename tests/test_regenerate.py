@@ -564,3 +564,36 @@ def test_kill_and_rerun(toy, tmp_path, server_factory):
     tok = toy["tok"]
     done_prompts = {tuple(tok(PROMPTS[int(i[2:]) - 1])["input_ids"]) for i in first}
     assert not done_prompts & {tuple(b["prompt"]) for b in healthy.bodies}
+
+
+def test_hf_segments_drop_stopped_rows_and_equal_one_generate_call(toy, tmp_path):
+    """Generated ``segment_tokens`` at a time with stopped rows leaving the batch, every row
+    is token for token what one ``generate`` call per batch (and the prompt alone) gives."""
+    from collections import Counter
+
+    tok, model = toy["tok"], toy["model"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    common = dict(target__path=str(toy["plain"]), sources=[{"path": str(path)}],
+                  hf__batch_size=len(PROMPTS), **{"generation.max_new_tokens": 20})
+    run(make_cfg(out=str(tmp_path / "probe"), hf__segment_tokens=None, **common))
+    gen = Counter(t for r in read_rows(tmp_path / "probe") for t in r["input_ids"][r["prompt_len"]:])
+    stop = gen.most_common(1)[0][0]  # a frequent token as stop: rows end at different steps
+    outs = {}
+    for seg in (None, 3):
+        out = tmp_path / f"seg{seg}"
+        run(make_cfg(out=str(out), hf__segment_tokens=seg,
+                     **{"generation.stop_token_ids": [stop]}, **common))
+        outs[seg] = {r["id"]: r["input_ids"] for r in read_rows(out)}
+        lens = sorted(len(r["input_ids"]) - r["prompt_len"] for r in read_rows(out))
+    assert outs[3] == outs[None]
+    assert lens[0] < 20 and lens[-1] > 3  # some rows stopped early, some ran on past a segment
+    eos = {tok.eos_token_id, stop}
+    for rid, ids in outs[3].items():
+        prompt_ids = tok(PROMPTS[int(rid.split(":")[-1]) - 1])["input_ids"]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt_ids]), max_new_tokens=20, do_sample=False,
+                                 eos_token_id=sorted(eos), pad_token_id=tok.pad_token_id)
+        ref = ref[0, len(prompt_ids):].tolist()
+        cut = next((k + 1 for k, t in enumerate(ref) if t in eos), len(ref))
+        assert ids[len(prompt_ids):] == ref[:cut], rid

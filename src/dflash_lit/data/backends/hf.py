@@ -4,6 +4,11 @@ Prompts are sorted by length (longest first) so a batch pads little and an out-o
 shows up at once. Each row is cut after its first stop token / stop string *after*
 generation, so a row's result does not depend on what else was in its batch: greedy output
 with padding equals greedy output of the prompt alone.
+
+A batch is generated ``segment_tokens`` at a time, and the rows that stopped leave the batch
+(their KV cache rows dropped) between segments: with one ``generate`` call per batch, every
+row would be computed until the batch's longest answer ends (answers of a chat model stop
+anywhere between a few tokens and ``max_new_tokens``).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class HFBackend:
         device: str = "auto",
         dtype: str = "auto",
         attn_implementation: str | None = None,
+        segment_tokens: int | None = 32,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
@@ -78,6 +84,9 @@ class HFBackend:
 
         if batch_size < 1:
             raise UserError(f"hf.batch_size: must be >= 1, got {batch_size}")
+        if segment_tokens is not None and segment_tokens < 1:
+            raise UserError(f"hf.segment_tokens: must be >= 1 or null, got {segment_tokens}")
+        self.segment = int(segment_tokens) if segment_tokens else None
         self.tokenizer, self.gen, self.batch_size = tokenizer, gen, int(batch_size)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,11 +111,11 @@ class HFBackend:
         )
         self._calls = 0
 
-    def _generation_config(self):
+    def _generation_config(self, max_new_tokens: int | None = None):
         from transformers import GenerationConfig
 
         kw: dict[str, Any] = dict(
-            max_new_tokens=self.gen.max_new_tokens,
+            max_new_tokens=max_new_tokens or self.gen.max_new_tokens,
             do_sample=not self.gen.greedy,
             eos_token_id=list(self.gen.stop_token_ids) or None,
             pad_token_id=self.pad_id,
@@ -134,15 +143,18 @@ class HFBackend:
                 attention[row, width - len(r.prompt_ids) :] = 1
             kw: dict[str, Any] = {"tokenizer": self.tokenizer} if self.gen.stop else {}
             with torch.inference_mode():
-                out = self.model.generate(
-                    input_ids=input_ids.to(self.device),
-                    attention_mask=attention.to(self.device),
-                    generation_config=gc,
-                    **kw,
-                )
-            self._calls += 1
-            new = out[:, width:].tolist()
-            stopped_early = len(new[0]) < self.gen.max_new_tokens  # every row of the batch stopped
+                if self.segment is None:
+                    out = self.model.generate(
+                        input_ids=input_ids.to(self.device),
+                        attention_mask=attention.to(self.device),
+                        generation_config=gc,
+                        **kw,
+                    )
+                    self._calls += 1
+                    new = out[:, width:].tolist()
+                else:
+                    new = self._generate_segments(input_ids, attention, kw)
+            stopped_early = max(map(len, new)) < self.gen.max_new_tokens  # every row stopped
             for r, gen_ids in zip(batch, new):
                 ids, reason = cut_at_stop(gen_ids, self.gen.stop_token_ids, self.gen.stop, self.tokenizer)
                 if reason == "length" and stopped_early:
@@ -152,6 +164,39 @@ class HFBackend:
                     reason = "stop"
                     log.warning("hf backend: %s stopped without a detectable stop; trimmed padding", r.id)
                 yield GenResult(id=r.id, gen_ids=ids, finish_reason=reason)
+
+    def _generate_segments(self, input_ids, attention, kw: dict[str, Any]) -> list[list[int]]:
+        """Generated ids per row, ``segment_tokens`` at a time; rows that stopped leave the
+        batch (and their cache rows) between segments; rows never see each other, so each
+        row's tokens are those of a single ``generate`` call."""
+        import torch
+
+        seqs, attn = input_ids.to(self.device), attention.to(self.device)
+        rows = list(range(seqs.shape[0]))
+        new: list[list[int]] = [[] for _ in rows]
+        cache, produced = None, 0
+        while rows and produced < self.gen.max_new_tokens:
+            seg = min(self.segment, self.gen.max_new_tokens - produced)
+            out = self.model.generate(input_ids=seqs, attention_mask=attn,
+                                      generation_config=self._generation_config(seg),
+                                      past_key_values=cache, use_cache=True,
+                                      return_dict_in_generate=True, **kw)
+            self._calls += 1
+            tail = out.sequences[:, seqs.shape[1]:]
+            produced += tail.shape[1]
+            for i, r in enumerate(rows):
+                new[r].extend(tail[i].tolist())
+            keep = [i for i, r in enumerate(rows) if cut_at_stop(
+                new[r], self.gen.stop_token_ids, self.gen.stop, self.tokenizer)[1] == "length"]
+            if tail.shape[1] < seg or not keep:
+                break  # every row stopped
+            index = torch.tensor(keep, device=self.device)
+            cache = out.past_key_values
+            cache.batch_select_indices(index)
+            seqs = out.sequences[index]
+            attn = torch.cat([attn, torch.ones_like(tail)], dim=1)[index]
+            rows = [rows[i] for i in keep]
+        return new
 
     def stats(self) -> dict[str, Any]:
         return {"generate_calls": self._calls, "batch_size": self.batch_size, "device": str(self.device)}
