@@ -65,13 +65,6 @@ class PadCollator:
         return batch
 
 
-def collate_batch(
-    samples: Sequence[Mapping[str, Any]], pad_token_id: int = 0
-) -> dict[str, torch.Tensor]:
-    """Functional form of :class:`PadCollator` (see there for the batch layout)."""
-    return PadCollator(pad_token_id)(samples)
-
-
 def _collate_features(samples: Sequence[Mapping[str, Any]], lengths: np.ndarray,
                       seq: int) -> dict[str, torch.Tensor]:
     """Right-pad cached target features (zeros on padding, like an unused position)."""

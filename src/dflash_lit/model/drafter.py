@@ -308,9 +308,6 @@ class DFlashDrafter(nn.Module):
                 )
         self.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=True)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
 
 def _common_dtype(state: dict[str, Tensor]) -> torch.dtype:
     dtypes = {t.dtype for t in state.values()}

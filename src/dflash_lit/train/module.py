@@ -477,11 +477,17 @@ class DFlashModule(L.LightningModule):
         self.nonfinite_in_row = int(meta.get("nonfinite_in_row", 0))
 
 
+# The logit of a token outside a cached top-k: stands for -inf (exp underflows to exactly 0
+# in a float32 softmax) while staying finite, so no inf - inf arithmetic can make a NaN.
+OFF_TOPK_LOGIT = -1e4
+
+
 def topk_logits_dense(ids: Tensor, values: Tensor, vocab: int) -> Tensor:
-    """[B, S, V] logits from cached top-k: the k stored logits, -1e4 elsewhere (probability
-    exactly 0 in float32 after a softmax), i.e. the target's distribution renormalised over
+    """[B, S, V] logits from cached top-k: the k stored logits, ``OFF_TOPK_LOGIT`` elsewhere
+    (probability exactly 0 after a softmax), i.e. the target's distribution renormalised over
     its top k."""
-    out = torch.full((*ids.shape[:-1], vocab), -1e4, dtype=values.dtype, device=values.device)
+    out = torch.full((*ids.shape[:-1], vocab), OFF_TOPK_LOGIT, dtype=values.dtype,
+                     device=values.device)
     return out.scatter_(-1, ids, values)
 
 
