@@ -142,17 +142,21 @@ def valid_mask(labels: Tensor) -> Tensor:
     return valid
 
 
+def require_target_logits(target_logits: Tensor | None, what: str, instead: str,
+                          why: str = "") -> None:
+    """ValueError naming the config value that needs the target's logits when there are none."""
+    if target_logits is None:
+        raise ValueError(f"{what} needs the target's logits{why}, but target_logits is None: "
+                         f"have the module compute them, or {instead}")
+
+
 def target_argmax_labels(target_logits: Tensor, labels: Tensor) -> Tensor:
     """Replace every valid label with the target's greedy choice, keeping the -100s.
 
     ``target_logits[..., k, :]`` is the target's output at position a+k-1, so its argmax is
     what greedy verification accepts at position a+k. Slot 0 and -100 entries stay -100.
     """
-    if target_logits is None:
-        raise ValueError(
-            "loss.labels=target_argmax needs the target's logits, but target_logits is None: "
-            "have the module compute them, or set loss.labels=data"
-        )
+    require_target_logits(target_logits, "loss.labels=target_argmax", "set loss.labels=data")
     if target_logits.shape[:3] != labels.shape or target_logits.dim() != 4:
         raise ValueError(
             f"target_argmax_labels: target_logits {tuple(target_logits.shape)} must be "
@@ -357,10 +361,8 @@ def distill_loss(
     - Normalised by ``Σ w·s`` over valid slots.
     """
     check_block_inputs(logits, labels, target_logits, where="distill_loss")
-    if target_logits is None:
-        raise ValueError(
-            f"loss.divergence={divergence} needs the target's logits, but target_logits is "
-            "None: have the module compute them, or use loss.name=hard_ce / dpace")
+    require_target_logits(target_logits, f"loss.divergence={divergence}",
+                          "use loss.name=hard_ce / dpace")
     _check_distill_args(divergence, div_weight, ce_weight, temperature)
     valid = valid_mask(labels)
     t = float(temperature)
@@ -396,11 +398,8 @@ def composite_loss(
     """The v3 recipe: ``kl_weight·T²·KL(target‖draft at T) + ce_weight·CE(labels)`` per slot,
     with streak-aware position weights: ``distill_loss`` with ``divergence=forward_kl``."""
     check_block_inputs(logits, labels, target_logits, where="composite_loss")
-    if target_logits is None:
-        raise ValueError(
-            "loss.name=composite needs the target's logits (its KL term), but target_logits is "
-            "None: have the module compute them, or use loss.name=hard_ce"
-        )
+    require_target_logits(target_logits, "loss.name=composite", "use loss.name=hard_ce",
+                          " (its KL term)")
     _check_mix_args(kl_weight, ce_weight, temperature, div_key="kl_weight", example="0.7 / 0.3")
     return distill_loss(logits, labels, target_logits, "forward_kl", gamma, kl_weight,
                         ce_weight, temperature, streak_aware)
@@ -524,11 +523,6 @@ class CompositeLoss(_LabelledLoss):
     def with_labels(self, logits: Tensor, labels: Tensor,
                     target_logits: Tensor | None = None) -> LossOutput:
         """The loss for CE labels already resolved from ``label_source``."""
-        if target_logits is None:
-            raise ValueError(
-                "loss.name=composite needs the target's logits (its KL term), but target_logits "
-                "is None: have the module compute them, or use loss.name=hard_ce"
-            )
         return composite_loss(
             logits,
             labels,
