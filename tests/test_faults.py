@@ -4,6 +4,7 @@ write, truncated checkpoints on disk. Every fault must leave a run that resumes 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -279,6 +280,33 @@ def test_stale_temporaries_only_of_dead_local_writers_are_removed(tmp_path):
         f.write_bytes(b"partial")
     assert remove_stale_temporaries([tmp_path]) == [stale]
     assert mine.exists() and remote.exists() and not stale.exists()
+
+
+def test_directories_are_published_whole_and_a_killed_build_is_cleaned_up(tmp_path):
+    """Built directories (a target, a feature cache) use the same temporary names as files:
+    a dead builder's partial directory goes at the next start, and ``publish_dir`` swaps a
+    finished one in with its files' sha256 in build_info.json."""
+    import hashlib
+
+    from dflash_lit.atomic import publish_dir, remove_stale_temporaries, temporary_name
+
+    out = tmp_path / "target"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    partial = temporary_name(out, pid=dead.pid)
+    (partial / "sub").mkdir(parents=True)
+    (partial / "sub" / "weights").write_bytes(b"half")
+    assert remove_stale_temporaries([tmp_path]) == [partial] and not partial.exists()
+    for content in (b"v1", b"v2"):  # a first build, then a rebuild over it
+        tmp = temporary_name(out)
+        tmp.mkdir()
+        (tmp / "model.safetensors").write_bytes(content)
+        info = publish_dir(tmp, out, {"name": "t"})
+        assert not tmp.exists() and (out / "model.safetensors").read_bytes() == content
+        rec = json.loads((out / "build_info.json").read_text())
+        assert rec == info and rec["files"]["model.safetensors"] == {
+            "sha256": hashlib.sha256(content).hexdigest(), "bytes": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no leftovers
 
 
 def test_unwritable_checkpoint_directory_fails_clearly(tmp_path, data):

@@ -5,13 +5,16 @@ name, never a partial file; a failed write (disk full, quota, permissions) remov
 temporary file and raises one OSError that names the file and says what is intact. A SIGKILL
 mid-write cannot remove its temporary: the name carries the writer's host and PID so a later
 run can tell a dead writer's leftover from a live write and delete it
-(``remove_stale_temporaries``).
+(``remove_stale_temporaries``). Directories (a built model, a feature cache) are written the
+same way under the same kind of name and swapped in whole (``replace_dir``, ``publish_dir``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -48,9 +51,40 @@ def remove_stale_temporaries(dirs: Iterable[str | os.PathLike]) -> list[Path]:
         for f in Path(d).glob(".*.tmp-*"):
             m = _TMP.match(f.name)
             if m and m["host"] == _HOST and not _pid_alive(int(m["pid"])):
-                f.unlink(missing_ok=True)
+                if f.is_dir() and not f.is_symlink():
+                    shutil.rmtree(f, ignore_errors=True)
+                else:
+                    f.unlink(missing_ok=True)
                 removed.append(f)
     return removed
+
+
+def replace_dir(tmp: Path, path: Path) -> None:
+    """Swap the finished directory ``tmp`` (a ``temporary_name``) in for ``path``: the old
+    directory, if any, moves to a temporary name of its own first and is deleted after, so a
+    kill leaves the old or the new directory under ``path`` plus leftovers a later run removes."""
+    old = temporary_name(path.with_name(path.name + ".old"))
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def publish_dir(tmp: Path, path: Path, info: dict) -> dict:
+    """Finish a built directory: files world-readable (safetensors writes 0600), their sha256
+    and size recorded in ``info["files"]``, ``info`` written as ``build_info.json``, then
+    swapped in for ``path`` (``replace_dir``). Returns ``info``."""
+    from dflash_lit.hashing import sha256_file
+
+    files = sorted(f.name for f in tmp.iterdir() if f.is_file())
+    for f in files:
+        os.chmod(tmp / f, 0o644)
+    info = dict(info, files={f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size}
+                             for f in files})
+    (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    replace_dir(tmp, path)
+    return info
 
 
 def fsync_dir(path: Path) -> None:

@@ -28,6 +28,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from dflash_lit.atomic import publish_dir, remove_stale_temporaries, temporary_name
 from dflash_lit.hashing import sha256_file
 from dflash_lit.targets import cache_root
 
@@ -173,8 +174,8 @@ def build(out: Path | None = None, force: bool = False, log: Callable[[str], Non
     """Build the HF directory at ``out`` (default :func:`default_dir`); returns build_info.
 
     Skips the work when ``out`` already holds a build with the same fingerprint (``force``
-    rebuilds). Writes into ``out.tmp-<pid>`` and renames, so a killed build leaves no partial
-    target behind and concurrent builders cannot mix files.
+    rebuilds). Writes into a temporary directory (``atomic.temporary_name``) and swaps it in,
+    so a killed build leaves no partial target behind and concurrent builders cannot mix files.
     """
     import torch
     from rich.progress import (
@@ -217,7 +218,8 @@ def build(out: Path | None = None, force: bool = False, log: Callable[[str], Non
         n_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
         next_step(3)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        remove_stale_temporaries([out.parent])  # a killed build's directory
+        tmp = temporary_name(out)
         shutil.rmtree(tmp, ignore_errors=True)
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -252,9 +254,6 @@ def build(out: Path | None = None, force: bool = False, log: Callable[[str], Non
         sample = rtok.decode(gen[0, ids.shape[1]:], skip_special_tokens=False)
         bar.update(stage, completed=len(steps), description="done")
 
-    files = sorted(f.name for f in tmp.iterdir() if f.is_file())
-    for f in files:
-        os.chmod(tmp / f, 0o644)
     cfg = reloaded.config
     info = {
         "name": NAME,
@@ -275,15 +274,8 @@ def build(out: Path | None = None, force: bool = False, log: Callable[[str], Non
         "bf16_vs_gguf_float32": vs_gguf,
         "probe": {"prompt": PROBE, "greedy_24_tokens": sample},
         "timing_s": {"gguf_load": round(load_s, 1), "total": round(time.time() - t0, 1)},
-        "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size}
-                  for f in files},
     }
-    (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    old = out.with_name(f"{out.name}.old-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+    info = publish_dir(tmp, out, info)
     log(f"built {out}: {n_params / 1e6:.1f}M params, {info['architecture']['num_hidden_layers']} "
         f"layers, bf16, in {time.time() - t0:.0f}s (GGUF load {load_s:.0f}s)")
     return info

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-from dflash_lit.hashing import sha256_file
+from dflash_lit.atomic import publish_dir, remove_stale_temporaries, temporary_name
 
 from .corpus import list_stdlib_files, read_files, split_files, stable_fraction, stdlib_root
 from .model import TinyPreset, make_model
@@ -49,29 +49,17 @@ def corpus_split(p: TinyPreset) -> tuple[list[str], list[str]]:
 def save_target(model: torch.nn.Module, tok: PreTrainedTokenizerFast, out_dir: Path,
                 info: dict, dtype: torch.dtype) -> None:
     """Write a HF model dir (weights cast to ``dtype``) + tokenizer + build_info, atomically."""
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries([out_dir.parent])
+    tmp = temporary_name(out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
     m = copy.deepcopy(model).to(dtype).eval()
     m.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, do_sample=False)
     m.save_pretrained(str(tmp), safe_serialization=True)
     save_tokenizer(tok, tmp)
-    files = sorted(f.name for f in tmp.iterdir() if f.is_file())
-    for f in files:
-        os.chmod(tmp / f, 0o644)  # safetensors writes 0600; shipped files should be world-readable
-    info = dict(info, files={f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size}
-                             for f in files})
-    (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    old = out_dir.with_name(out_dir.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    if old.exists():
-        shutil.rmtree(old)
+    publish_dir(tmp, out_dir, info)
 
 
 def build(out: Path, preset: TinyPreset, seed: int = 0, work: Path | None = None,

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_lit.atomic import remove_stale_temporaries, replace_dir, temporary_name
 from dflash_lit.data.features import (
     FORMAT_VERSION,
     FeatureCacheError,
@@ -178,9 +179,10 @@ def build_cache(target, dataset, out: Path, fp: dict[str, Any], batch_tokens: in
 
     from dflash_lit.data.collate import PadCollator
 
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries([out.parent])  # a killed build's partial cache
+    tmp = temporary_name(out)
+    shutil.rmtree(tmp, ignore_errors=True)
     order = np.argsort(dataset.lengths, kind="stable")
     batches, cur = [], []
     for i in order.tolist():
@@ -215,7 +217,7 @@ def build_cache(target, dataset, out: Path, fp: dict[str, Any], batch_tokens: in
                              "feature_dim": writer.feature_dim,
                              "bytes": sum(f.stat().st_size for f in tmp.glob("part-*.arrow")),
                              "build_s": round(time.time() - t0, 1)})
-    tmp.rename(out)
+    replace_dir(tmp, out)
     print(f"feature cache for {what}: {writer.rows} rows, {writer.tokens} tokens -> {out}",
           flush=True)
 
