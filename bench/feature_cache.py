@@ -27,8 +27,9 @@ from pathlib import Path
 from common import compose_train, fmt_table, peaks, write_result
 from steps import PHASES, time_steps
 
-from dflash_lit.train.build import build_specs, build_target, capture_layer_ids, target_info
+from dflash_lit.train.build import build_specs, build_target, target_info
 from dflash_lit.train.feature_cache import build_cache, split_fingerprint
+from dflash_lit.train.spec import capture_layer_ids
 
 
 def build_seconds(overrides: list[str]) -> dict:

@@ -217,11 +217,6 @@ def _scaled_anchors(anchors: dict[str, Any], scale: float) -> AnchorSpec:
     return spec
 
 
-def capture_layer_ids(specs: list[DrafterSpec]) -> list[int]:
-    """Union of all drafters' context layers: what one target forward must capture."""
-    return sorted({i for s in specs for i in s.model.target_layer_ids})
-
-
 # ---------------------------------------------------------------------- loggers
 def wandb_offline(setting: Any) -> bool:
     """``auto``: offline unless an API key is configured (env or ~/.netrc)."""

@@ -38,7 +38,7 @@ from dflash_lit.train.metrics import DrafterMetrics, accuracy, streak
 from dflash_lit.train.optim import MUON_SUFFIX, build_optimizer, group_drafter
 from dflash_lit.train.plateau import PlateauDiagnostics, plateau_message
 from dflash_lit.train.schedules import lr_factor, max_anchors_at, noise_sigma
-from dflash_lit.train.spec import DrafterSpec, MuonSettings
+from dflash_lit.train.spec import DrafterSpec, MuonSettings, capture_layer_ids
 
 FUSED_LOSSES = (HardCELoss, DPaceLoss)  # run fused with the frozen lm_head (linear_ce)
 
@@ -97,7 +97,7 @@ class DFlashModule(L.LightningModule):
         self.max_nonfinite_in_row = max_nonfinite_in_row
         self.target_info = dict(target_info or {})
         # The union of all drafters' context layers is captured once per target forward.
-        self.capture_ids = sorted({i for s in specs for i in s.model.target_layer_ids})
+        self.capture_ids = capture_layer_ids(specs)
         if list(target.layer_ids) != self.capture_ids:
             raise ValueError(
                 f"target captures layers {list(target.layer_ids)}, the drafters need "

@@ -24,7 +24,6 @@ from dflash_lit.train.build import (
     build_specs,
     build_target,
     build_target_heads,
-    capture_layer_ids,
     target_info,
 )
 from dflash_lit.train.checkpointing import AtomicCheckpointIO
@@ -36,7 +35,7 @@ from dflash_lit.train.feature_cache import (
 from dflash_lit.train.losses import build_loss
 from dflash_lit.train.module import DFlashModule
 from dflash_lit.train.resume import resolve_ckpt_path
-from dflash_lit.train.spec import muon_settings
+from dflash_lit.train.spec import capture_layer_ids, muon_settings
 from dflash_lit.train.validate import check_config
 
 

@@ -90,3 +90,8 @@ class DrafterSpec:
             raise UserError(f"drafters.{self.name}.noise: peak/final must be >= 0")
         if self.lr <= 0:
             raise UserError(f"drafters.{self.name}.optim.lr={self.lr}: must be > 0")
+
+
+def capture_layer_ids(specs: list[DrafterSpec]) -> list[int]:
+    """Union of all drafters' context layers: what one target forward must capture."""
+    return sorted({i for s in specs for i in s.model.target_layer_ids})
