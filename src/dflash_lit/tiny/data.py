@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_lit.resolvers import repo_root
+from dflash_lit.paths import repo_root
 
 # Function bodies end where the next top-level statement starts; cap long ones.
 DEFAULT_STOP = ["\ndef ", "\nclass ", "\n\n\n"]

@@ -128,7 +128,7 @@ def compose_train(overrides: Sequence[str], run_dir: str | Path) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import open_dict
 
-    from dflash_lit.resolvers import repo_root
+    from dflash_lit.paths import repo_root
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(Path(repo_root()) / "conf"), version_base="1.3"):
