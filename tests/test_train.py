@@ -360,3 +360,19 @@ def test_a_run_stopped_mid_epoch_leaves_one_last_ckpt_and_resumes_from_it(tmp_pa
     sampler = ck["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["_index_sampler_state"]
     assert ck["global_step"] == 5 and (sampler["epoch"], sampler["batches_consumed"]) == (0, 5)
     assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["last.ckpt"]
+
+
+def test_module_settings_defaults_are_the_configs(tmp_path):
+    """One settings object builds the module; its defaults are conf/'s, so a module built in
+    a notebook behaves like one built by train.py."""
+    from dataclasses import fields
+
+    from dflash_lit.train.module import ModuleSettings
+    from dflash_lit.train.run import module_settings
+
+    cfg = compose_train(["budget=full", "trainer.precision=32-true"], tmp_path)  # no scaling
+    got = module_settings(cfg, total_steps=10)
+    default = ModuleSettings(total_steps=10)
+    for f in fields(ModuleSettings):
+        if f.name != "compile_mask" or not torch.cuda.is_available():  # auto: on CUDA
+            assert getattr(got, f.name) == getattr(default, f.name), f.name

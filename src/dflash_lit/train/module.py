@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -51,6 +52,28 @@ def _init_drafter(spec: DrafterSpec, seed: int) -> DFlashDrafter:
         return DFlashDrafter(spec.model)
 
 
+@dataclass(frozen=True)
+class ModuleSettings:
+    """Run-wide settings of ``DFlashModule`` (per-drafter ones are each ``DrafterSpec``'s).
+    Defaults are the config's (``conf/train.yaml``, ``conf/optim/adamw.yaml``);
+    ``train.run.module_settings`` reads them from a composed config."""
+
+    total_steps: int  # optimizer steps the LR / noise / anchor schedules span
+    warmup_frac: float = 0.04  # optim.warmup_frac
+    min_lr_ratio: float = 0.0  # optim.min_lr_ratio
+    betas: tuple[float, float] = (0.9, 0.95)  # optim.betas
+    eps: float = 1e-8  # optim.eps
+    muon: MuonSettings | None = None  # optim=muon; None: AdamW on everything
+    attention: str = "auto"  # attention
+    compile_mask: bool = False  # compile_mask (auto: on CUDA)
+    seed: int = 0  # seed
+    val_max_anchors: int = 64  # val_max_anchors
+    log_tree_budgets: tuple[int, ...] = ()  # log_tree_budgets
+    max_nonfinite_in_row: int = 10  # max_nonfinite_in_row
+    head_dtype: torch.dtype | None = None  # fused lm_head matmul dtype (trainer.precision)
+    loss_chunk_rows: int = 2048  # loss_chunk_rows
+
+
 class DFlashModule(L.LightningModule):
     """Trains one or more DFlash drafters against a frozen target."""
 
@@ -58,24 +81,14 @@ class DFlashModule(L.LightningModule):
         self,
         target: FrozenTarget,
         specs: list[DrafterSpec],
-        total_steps: int,
-        warmup_frac: float = 0.04,
-        min_lr_ratio: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        muon: MuonSettings | None = None,
-        attention: str = "dense",
-        compile_mask: bool = False,
-        seed: int = 0,
-        val_max_anchors: int = 256,
-        log_tree_budgets: tuple[int, ...] = (),
-        max_nonfinite_in_row: int = 10,
+        settings: ModuleSettings,
         target_info: dict[str, Any] | None = None,
-        head_dtype: torch.dtype | None = None,
-        loss_chunk_rows: int = 2048,
         train_vocab: Tensor | None = None,
     ) -> None:
+        """``target_info``: the target's identity, recorded in checkpoints; ``train_vocab``:
+        token ids of the reduced training softmax (None: the full vocab)."""
         super().__init__()
+        seed, log_tree_budgets = settings.seed, settings.log_tree_budgets
         if not specs:
             raise ValueError("drafters: at least one drafter is required")
         names = [s.name for s in specs]
@@ -87,14 +100,14 @@ class DFlashModule(L.LightningModule):
         for s in specs:
             self._check_drafter_vs_target(s)
         self.losses = {s.name: build_loss(**s.loss) for s in specs}
-        self.total_steps = int(total_steps)
-        self.warmup_frac, self.min_lr_ratio = warmup_frac, min_lr_ratio
-        self.betas, self.eps = tuple(betas), eps
-        self.muon = muon  # None: AdamW on everything (optim=adamw)
-        self.attention, self.compile_mask = attention, compile_mask
+        self.total_steps = int(settings.total_steps)
+        self.warmup_frac, self.min_lr_ratio = settings.warmup_frac, settings.min_lr_ratio
+        self.betas, self.eps = tuple(settings.betas), settings.eps
+        self.muon = settings.muon  # None: AdamW on everything (optim=adamw)
+        self.attention, self.compile_mask = settings.attention, settings.compile_mask
         self.seed = int(seed)
-        self.val_max_anchors = val_max_anchors
-        self.max_nonfinite_in_row = max_nonfinite_in_row
+        self.val_max_anchors = settings.val_max_anchors
+        self.max_nonfinite_in_row = settings.max_nonfinite_in_row
         self.target_info = dict(target_info or {})
         # The union of all drafters' context layers is captured once per target forward.
         self.capture_ids = capture_layer_ids(specs)
@@ -115,8 +128,8 @@ class DFlashModule(L.LightningModule):
         # composite and forward-KL distillation (linear_distill): matmuls in
         # head_dtype (bf16 where the machine measures it faster), softmax/CE in fp32,
         # chunk_rows slots at a time
-        self.head_dtype = head_dtype
-        self.loss_chunk_rows = int(loss_chunk_rows)
+        self.head_dtype = settings.head_dtype
+        self.loss_chunk_rows = int(settings.loss_chunk_rows)
         # training softmax of the fused losses over these ids ∪ each batch's labels (None =
         # the full vocab); validation and drafting always use the full vocab
         if train_vocab is not None:

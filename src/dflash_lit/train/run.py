@@ -33,7 +33,7 @@ from dflash_lit.train.feature_cache import (
     check_features_config,
 )
 from dflash_lit.train.losses import build_loss
-from dflash_lit.train.module import DFlashModule
+from dflash_lit.train.module import DFlashModule, ModuleSettings
 from dflash_lit.train.resume import resolve_ckpt_path
 from dflash_lit.train.spec import capture_layer_ids, muon_settings
 from dflash_lit.train.validate import check_config
@@ -98,10 +98,15 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
         target = build_target_heads(cfg.target, capture)  # decoder layers never loaded
     else:
         target = build_target(cfg.target, capture)
-    module = DFlashModule(
-        target=target,
-        specs=specs,
-        total_steps=total,
+    module = DFlashModule(target, specs, module_settings(cfg, total), target_info=info,
+                          train_vocab=train_vocab)
+    return module, dm, total
+
+
+def module_settings(cfg: DictConfig, total_steps: int) -> ModuleSettings:
+    """The module's run-wide settings from a composed train.py config."""
+    return ModuleSettings(
+        total_steps=total_steps,
         warmup_frac=float(cfg.optim.warmup_frac),
         min_lr_ratio=float(cfg.optim.min_lr_ratio),
         betas=tuple(cfg.optim.betas),
@@ -113,12 +118,9 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
         val_max_anchors=int(cfg.val_max_anchors),
         log_tree_budgets=tuple(cfg.log_tree_budgets or ()),
         max_nonfinite_in_row=int(cfg.max_nonfinite_in_row),
-        target_info=info,
         head_dtype=head_dtype(str(cfg.trainer.get("precision", "32-true"))),
         loss_chunk_rows=int(cfg.loss_chunk_rows),
-        train_vocab=train_vocab,
     )
-    return module, dm, total
 
 
 def compose_train(overrides: Sequence[str], run_dir: str | Path) -> DictConfig:
