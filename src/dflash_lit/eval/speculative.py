@@ -31,7 +31,6 @@ cache (and an attention that honours a 4D mask: sdpa or eager).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -164,9 +163,7 @@ class DFlashProposer:
         self._pending.append(hidden)
 
     @torch.no_grad()
-    def draft_logits(self, tokens: list[int], slots: int | None = None) -> Tensor:
-        """Logits [slots, V] of the first ``slots`` drafted slots (default all Bs-1): the
-        lm_head, the costly part with a large vocab, runs only on those."""
+    def draft_logits(self, tokens: list[int]) -> Tensor:
         n = len(tokens)
         k_d = self.drafter.fc.in_features
         if self._pending:
@@ -191,8 +188,7 @@ class DFlashProposer:
         )
         self._pending = []
         w = self.lm_head.weight
-        h = h[0, 1:] if slots is None else h[0, 1:1 + slots]
-        return self.lm_head(h.to(device=w.device, dtype=w.dtype)).float()
+        return self.lm_head(h[0, 1:].to(device=w.device, dtype=w.dtype)).float()
 
 
 def as_proposer(
@@ -475,10 +471,7 @@ def _draft_ddtree(proposer: BlockProposer, tokens: list[int], depth: int, budget
                   top_k: int | None) -> Any:
     """The DDTree of ``budget`` nodes over the first ``depth`` slots of the drafter's block
     (per-slot top-k, k = ``top_k`` or min(budget, V))."""
-    if isinstance(proposer, DFlashProposer):
-        logits = proposer.draft_logits(tokens, slots=depth)
-    else:
-        logits = proposer.draft_logits(tokens)[:depth]
+    logits = proposer.draft_logits(tokens)[:depth]
     k = min(top_k or budget, logits.shape[-1])
     lp, ids = F.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return build_ddtree(lp.cpu(), ids.cpu(), budget)
@@ -575,10 +568,7 @@ def hybrid_generate(
     steps so far (accepted / predicted in this request), reaches the drafter's mean accepted
     tokens per step so far (1 before its first step), else the drafter's DDTree; a suffix step
     skips the drafter's forward. ``merge=True`` (``merged``):
-    DDTree and suffix tree merged into one tree of ``budget`` nodes every step. Either way the
-    drafter's tree is at most ``2 + 2·⌈mean accepted per drafter step⌉`` deep (its lm_head
-    runs on those slots only): a drafter whose drafts are accepted one or two tokens deep
-    does not pay the head over the whole block.
+    DDTree and suffix tree merged into one tree of ``budget`` nodes every step.
     """
     _check_max_new(max_new_tokens)
     proposer, runner = _setup(target, drafter, block_size)
@@ -601,12 +591,9 @@ def hybrid_generate(
             suffix_steps[0] += _verify_tree(st, sfx)
             suffix_steps[1] += score
             return
-        # the drafter's head only as deep as its drafts get accepted in this request
-        mean = drafter_steps[0] / drafter_steps[1]
-        tree = _draft_ddtree(proposer, st.tokens, min(d, 2 + 2 * math.ceil(mean)), budget, top_k)
+        tree = _draft_ddtree(proposer, st.tokens, d, budget, top_k)
         if merge:
-            drafter_steps[0] += _verify_tree(st, merge_trees(tree, sfx, budget))
-            drafter_steps[1] += 1
+            _verify_tree(st, merge_trees(tree, sfx, budget))
             return
         drafter_steps[0] += _verify_tree(st, tree)
         drafter_steps[1] += 1
