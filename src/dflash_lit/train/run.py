@@ -130,6 +130,7 @@ def compose_train(overrides: Sequence[str], run_dir: str | Path) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import open_dict
 
+    import dflash_lit.resolvers  # noqa: F401  (registers ${repo_root:}, ${cpu_precision:}, ...)
     from dflash_lit.paths import repo_root
 
     GlobalHydra.instance().clear()
