@@ -23,7 +23,7 @@ log = logging.getLogger("export")
 def export(cfg: DictConfig) -> int:
     """Export per ``cfg``; return the exit status (1 when the reload check fails)."""
     dtype = parse_dtype(cfg.dtype, "dtype", keep=True)
-    lm_head = None
+    lm_head, stops = None, None  # without a target: the stop ids the training run recorded
     with input_checks():  # the checkpoint and target the user named
         if cfg.target:
             from transformers import AutoModelForCausalLM
@@ -37,7 +37,7 @@ def export(cfg: DictConfig) -> int:
             lm_head = model.get_output_embeddings()
             stops = stop_token_ids(model.config, getattr(model, "generation_config", None))
         res = export_zlab(cfg.ckpt, cfg.out, name=cfg.drafter, dtype=dtype, lm_head=lm_head,
-                          trust=cfg.trust_checkpoint, stop_ids=stops if cfg.target else None)
+                          trust=cfg.trust_checkpoint, stop_ids=stops)
     limit = cfg.max_abs_diff if cfg.max_abs_diff is not None else (0.0 if dtype is None else None)
     print(f"exported {res.name or cfg.ckpt} -> {res.out_dir} ({res.dtype})")
     print(f"reload check: weights equal={res.weights_equal}, max abs diff outputs="
