@@ -42,10 +42,9 @@ def time_recipe(recipe: str, steps: int) -> dict:
 
     def step(batch, need_logits: bool) -> None:
         with _autocast(precision):
-            out = module._target_forward(batch)
-            loss = sum(module._forward_drafter(n, batch, out, 0, train=True,
-                                               need_logits=need_logits)[2].loss
-                       for n in module.drafters)
+            out = module.target_features(batch)
+            loss = sum(lo.loss for _, lo in module.drafter_losses(
+                batch, out, 0, materialise=need_logits).values())
         loss.backward()
         module.drafters.zero_grad(set_to_none=True)
 

@@ -1,12 +1,12 @@
 """Drafter training step (layout + drafter forward + lm_head + loss + backward, no target
-forward) at a realistic CPU size, the previous path against the fused one, in one run.
+forward) at a realistic CPU size, the materialised path against the fused one, in one run.
 
 Size (the issue's "realistic CPU size"): vocab 4096, hidden 256, B=4, S=512, Bs=16, a
 1-layer drafter, 32 / 128 anchors per sequence; labels = the target's argmax, as in v5.
 
-- ``materialised (previous)``: dense-mask SDPA, ``lm_head`` over every slot ([B, N, Bs, V]
-  logits), the target's logits gathered per slot for the argmax labels, plain CE — the
-  training path before the fused loss;
+- ``materialised``: dense-mask SDPA, ``lm_head`` over every slot ([B, N, Bs, V]
+  logits), the target's logits gathered per slot for the argmax labels, plain CE (what
+  validation computes when it needs the logits);
 - ``fused fp32``: same attention, ``fused_hard_ce`` (chunked lm_head + CE over valid slots,
   gradient formed in the forward), labels from the target's argmax ids [B, S];
 - ``+ blockwise``: the fused loss with the blockwise attention (on CPU torch's fused flash
@@ -17,7 +17,7 @@ Size (the issue's "realistic CPU size"): vocab 4096, hidden 256, B=4, S=512, Bs=
 
 Also reports peak step memory (fresh subprocess per case, ru_maxrss growth) at 512 anchors,
 and each step's model FLOP/s (``bench/flops.py``) over the fp32 matmul peak measured in the
-same run: where the previous path already runs near that peak, no kernel can make a step
+same run: where the materialised path already runs near that peak, no kernel can make a step
 much faster without doing less arithmetic.
 
     python bench/drafter_step.py [--anchors 32 128] [--repeats 5] [--threads 2]
@@ -45,7 +45,7 @@ from dflash_lit.train.losses import hard_ce_loss, resolve_argmax_labels, target_
 
 V, D, B, S, BS, K = 4096, 256, 4, 512, 16, 4
 VARIANTS = {
-    "materialised (previous)": dict(fused=False, head=None, attn="dense", autocast=False),
+    "materialised": dict(fused=False, head=None, attn="dense", autocast=False),
     "fused fp32": dict(fused=True, head=None, attn="dense", autocast=False),
     "fused fp32 + blockwise": dict(fused=True, head=None, attn="blockwise", autocast=False),
 }
@@ -133,15 +133,15 @@ def main() -> None:
                                  capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             base = base or r
-            r["speedup_vs_previous"] = base["step_s"] / r["step_s"]
-            r["mem_vs_previous"] = r["peak_mem_mib"] / max(base["peak_mem_mib"], 1e-9)
+            r["speedup_vs_materialised"] = base["step_s"] / r["step_s"]
+            r["mem_vs_materialised"] = r["peak_mem_mib"] / max(base["peak_mem_mib"], 1e-9)
             rows.append(r)
             print(r, flush=True)
     pk = peaks()
     for r in rows:  # model FLOP/s over the fp32 matmul peak measured in this run
         r["mfu_fp32"] = r["gflop"] / r["step_s"] / pk["fp32_gflops"]
-    table = fmt_table(rows, ["variant", "anchors", "step_s", "speedup_vs_previous", "mfu_fp32",
-                             "peak_mem_mib", "mem_vs_previous", "loss"])
+    table = fmt_table(rows, ["variant", "anchors", "step_s", "speedup_vs_materialised", "mfu_fp32",
+                             "peak_mem_mib", "mem_vs_materialised", "loss"])
     table += (f"\n\nthreads {args.threads}; matmul peak (same run): fp32 {pk['fp32_gflops']:.1f}"
               f" GFLOP/s, bf16 {pk['bf16_gflops']:.1f} GFLOP/s")
     table += f"; bf16/fp32 speed measured by dflash_lit.precision: {bf16_speedup():.2f}x"

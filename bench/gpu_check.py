@@ -13,7 +13,7 @@
    512 anchors x 3072 tokens: step time, tokens/s, MFU (bench/flops.py counts over a bf16
    matmul peak measured in this run), peak ``torch.cuda.max_memory_allocated``; dense
    attention is the baseline, compiled flex (``attention=auto``) the training default, eager
-   flex the previous default.
+   flex the uncompiled alternative.
 3. resume: ``train.py trainer=gpu`` subprocesses on a tiny random target: 20 steps straight vs
    10 steps (cut by the preemption path: SIGTERM -> last.ckpt, schedules still sized for 20)
    resumed with ``ckpt_path=last`` for 10 more. Checkpoints compared leaf by leaf; a second
@@ -138,7 +138,7 @@ def attention_check(sh: Shapes, dev: torch.device) -> dict[str, Any]:
     gqa = sh.heads != sh.kv_heads
     paths: dict[str, Callable] = {
         "dense SDPA (baseline)": lambda q, k, v: attend(q, k, v, dense),
-        "flex eager (previous)": lambda q, k, v: flex_attention(
+        "flex eager": lambda q, k, v: flex_attention(
             q, k, v, block_mask=block_mask, enable_gqa=gqa),
         "flex compiled": lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa),
     }
@@ -251,13 +251,12 @@ def run_steps(module, batches: list[dict], warmup: int, dev: torch.device) -> di
             torch.cuda.reset_peak_memory_stats(dev)
         t = [time.perf_counter()]
         with amp:
-            out = module._target_forward(batch)
+            out = module.target_features(batch)
             sync(dev)
             t.append(time.perf_counter())
             module.schedules_at(i)
             loss, layouts = 0.0, []
-            for name in module.drafters:
-                _, layout, lo = module._forward_drafter(name, batch, out, i, train=True)
+            for name, (layout, lo) in module.drafter_losses(batch, out, i).items():
                 loss = loss + lo.loss
                 layouts.append((module.specs[name].model, layout))
         loss.backward()
@@ -275,7 +274,7 @@ def run_steps(module, batches: list[dict], warmup: int, dev: torch.device) -> di
                 "drafter_flops": sum(drafter_train_flops(c, lay) for c, lay in layouts),
                 "target_flops": target_forward_flops(module.target.model, am, module.need_logits)})
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    med["attention"] = module._backend(layout)
+    med["attention"] = module.attention_backend(layout)
     if cuda:
         med["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     return med
@@ -297,7 +296,7 @@ def step_check(sh: Shapes, dev: torch.device, layers: int, data: Path,
     variants = {"dense (baseline)": ("dense", True)}
     if cuda:  # flex has no CPU backward
         variants |= {"flex compiled (attention=auto)": ("auto", True),
-                     "flex eager (previous default)": ("flex", False)}
+                     "flex eager": ("flex", False)}
     rows: list[dict] = []
     for name, (attention, compiled) in variants.items():
         module.attention = attention

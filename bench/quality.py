@@ -24,7 +24,6 @@ on 2 CPU cores, plus evaluation) can run in pieces, in parallel, across machines
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import json
 import statistics
@@ -35,6 +34,8 @@ from pathlib import Path
 
 from common import REPO, fmt_table, write_result
 from omegaconf import OmegaConf
+
+from dflash_lit.analyze.logs import read_metrics_csv
 
 # recipe -> its drafters' names (multi_drafter trains three off one target forward)
 RECIPES = {"v3_composite": ["main"], "v4_5layer": ["main"], "v5_hardce": ["main"],
@@ -70,13 +71,12 @@ def settings(r: dict) -> tuple:
 
 def last_val(run_dir: Path, drafter: str) -> dict[str, float]:
     """Final validation acc/streak/loss of ``drafter`` from the run's CSV."""
+    df, _ = read_metrics_csv(run_dir / "csv" / "metrics.csv")
     vals: dict[str, float] = {}
-    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            for k in ("acc", "streak", "loss"):
-                v = row.get(f"val/{drafter}/{k}")
-                if v not in (None, ""):
-                    vals[k] = float(v)
+    for k in ("acc", "streak", "loss"):
+        col = df.get(f"val/{drafter}/{k}")
+        if col is not None and col.notna().any():
+            vals[k] = float(col.dropna().iloc[-1])
     return vals
 
 
@@ -86,9 +86,12 @@ def plateau_exit_step(run_dir: Path, drafter: str) -> int | None:
     ``EXIT_WINDOW`` logged steps (a single step past it can be a spike: a seed that drops
     back to the plateau would otherwise read as an early exit); None if it never does.
     LookupError if the log does not start at step 0: the exit step is unknown."""
-    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
-        series = [(int(row["step"]), float(row[key])) for row in csv.DictReader(f)
-                  if row.get(key := f"train_window/{drafter}/streak") not in (None, "")]
+    df, _ = read_metrics_csv(run_dir / "csv" / "metrics.csv")
+    key = f"train_window/{drafter}/streak"
+    if key not in df:
+        return None  # never logged: never left
+    rows = df[["step", key]].dropna()
+    series = [(int(st), float(v)) for st, v in zip(rows["step"], rows[key])]
     if series and series[0][0] > 0:  # the log lost its start (a resume that overwrote it)
         raise LookupError(f"{run_dir}: the training log starts at step {series[0][0]}")
     for i in range(len(series) - EXIT_WINDOW + 1):

@@ -24,7 +24,6 @@ rerun. Slow (~1 h of training on 2 cores, plus 30-45 min of evaluation): results
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import shutil
@@ -34,6 +33,8 @@ import time
 from pathlib import Path
 
 from common import REPO, fmt_table, write_result
+
+from dflash_lit.analyze.logs import read_metrics_csv
 
 SHIP = REPO / "artifacts" / "smollm2" / "v5_hardce"
 TRAIN = ["experiment=v5_hardce", "target=smollm2", "data=smollm2", "drafter=smollm2",
@@ -48,28 +49,17 @@ def run(cmd: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def csv_rows(run_dir: Path) -> list[dict[str, str]]:
-    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def training_record(run_dir: Path, wall_s: float | None) -> dict:
     """Final validation metrics, per-slot accuracy and the real-tau curve from the run's CSV."""
-    rows = csv_rows(run_dir)
-    last: dict[str, float] = {}
-    tau_curve = []
-    step = 0
-    for r in rows:
-        step = max(step, int(float(r.get("step") or 0)))
-        for k, v in r.items():
-            if k.startswith("val/main/") and v not in (None, ""):
-                last[k.removeprefix("val/main/")] = float(v)
-        if r.get("val/main/tau_chain") not in (None, ""):
-            tau_curve.append({
-                "step": int(float(r["step"])), "tau_chain": float(r["val/main/tau_chain"]),
-                "tau_tree_b16": float(r.get("val/main/tau_tree_b16") or "nan"),
-                "tau_chain_vs_ngram": float(r.get("val/main/tau_chain_vs_ngram") or "nan"),
-            })
+    df, _ = read_metrics_csv(run_dir / "csv" / "metrics.csv")
+    last = {c.removeprefix("val/main/"): float(df[c].dropna().iloc[-1]) for c in df.columns
+            if c.startswith("val/main/") and df[c].notna().any()}
+    step = int(df["step"].max()) if len(df) else 0
+    curve = df.dropna(subset=["val/main/tau_chain"]) if "val/main/tau_chain" in df else df[:0]
+    tau_curve = [{"step": int(r["step"]), "tau_chain": float(r["val/main/tau_chain"]),
+                  **{k: float(r.get(f"val/main/{k}", float("nan")))
+                     for k in ("tau_tree_b16", "tau_model_free", "tau_chain_vs_model_free")}}
+                 for _, r in curve.iterrows()]
     slots = sorted((int(k.split("/")[1]), v) for k, v in last.items() if k.startswith("acc_pos/"))
     return {
         "steps": step, "train_wall_s": wall_s,

@@ -16,7 +16,6 @@ Writes ``bench/results/soak.{json,md}`` and ``soak_rss.png``; run files stay in 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import random
 import re
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 from common import REPO, RESULTS, fmt_table, write_result
 
+from dflash_lit.analyze.logs import read_metrics_csv
 from dflash_lit.paths import repo_relative
 
 STEP_RE = re.compile(r"\bstep=(\d+) ")
@@ -222,16 +222,17 @@ def compare_checkpoints(a: Path, b: Path) -> dict:
 
 
 def logged_losses(run_dirs: list[Path], key: str = "train/main/loss") -> dict[int, str]:
-    """step -> logged loss; for steps logged by several launches the latest launch wins."""
+    """step -> logged loss (as text, compared exactly); for steps logged by several launches
+    the latest launch wins. Steps whose loss is missing or NaN are left out."""
     out: dict[int, str] = {}
     for d in sorted(run_dirs, key=lambda p: p.name):
         f = d / "csv" / "metrics.csv"
         if not f.is_file():
             continue
-        with f.open() as fh:
-            for row in csv.DictReader(fh):
-                if row.get(key) not in (None, "") and row.get("step"):
-                    out[int(row["step"])] = row[key]
+        df, _ = read_metrics_csv(f)
+        if key in df:
+            rows = df[["step", key]].dropna()
+            out.update({int(st): repr(float(v)) for st, v in zip(rows["step"], rows[key])})
     return out
 
 

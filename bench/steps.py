@@ -34,14 +34,13 @@ def time_steps(overrides: Sequence[str], steps: int = 4, warmup: int = 1) -> dic
         batch = next(it)
         t["data"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        out = module._target_forward(batch)
+        out = module.target_features(batch)
         _sync()
         t["target_fwd"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         module.schedules_at(i)
         loss, flops, blocks = 0.0, 0.0, 0
-        for name in module.drafters:
-            _, layout, lo = module._forward_drafter(name, batch, out, i, train=True)
+        for name, (layout, lo) in module.drafter_losses(batch, out, i).items():
             loss = loss + lo.loss
             flops += drafter_train_flops(module.specs[name].model, layout)
             blocks += int(layout.valid.sum()) * layout.block_size

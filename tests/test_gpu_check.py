@@ -38,7 +38,7 @@ def test_dry_run_writes_its_results(tmp_path):
     assert res["dry_run"] and res["device"] == "cpu" and "resume" not in res
     assert res["checks"] == {"attention": True, "step": True}
     paths = [r["path"] for r in res["attention"]["rows"]]
-    assert paths == ["dense SDPA (baseline)", "flex eager (previous)", "flex compiled"]
+    assert paths == ["dense SDPA (baseline)", "flex eager", "flex compiled"]
     assert "fwd_bwd_ms" in res["attention"]["rows"][0]  # dense: forward + backward
     assert all("fwd_bwd_ms" not in r for r in res["attention"]["rows"][1:])  # flex: CPU forward
     assert "backward skipped on CPU" in res["attention"]["note"]

@@ -281,7 +281,7 @@ def test_auto_attention_picks_blockwise_on_cpu_and_flex_on_cuda():
     anchors = torch.arange(1, 9)[None]
     lay = build_layout(ids, torch.ones_like(ids), anchors, torch.ones_like(anchors).bool(), 8, 1)
     fake = SimpleNamespace(attention="auto")
-    assert DFlashModule._backend(fake, lay) == "blockwise"
+    assert DFlashModule.attention_backend(fake, lay) == "blockwise"
     on_cuda = SimpleNamespace(anchors=SimpleNamespace(device=torch.device("cuda")))
-    assert DFlashModule._backend(fake, on_cuda) == "flex"
-    assert DFlashModule._backend(SimpleNamespace(attention="dense"), lay) == "dense"
+    assert DFlashModule.attention_backend(fake, on_cuda) == "flex"
+    assert DFlashModule.attention_backend(SimpleNamespace(attention="dense"), lay) == "dense"

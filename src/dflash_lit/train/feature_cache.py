@@ -109,13 +109,11 @@ def _lock(path: Path):
 def cache_needs_distribution(losses: dict[str, Any]) -> bool:
     """Whether a feature cache must store the target's top-k logits for these losses
     (drafter name -> configured loss): a distillation loss needs them, hard CE and D-PACE the
-    argmax only. A loss that needs the full distribution (reverse KL) is refused."""
+    argmax only. A loss that needs the full distribution (e.g. reverse KL) is refused."""
     for name, loss in losses.items():
         if loss.needs_full_distribution:
-            raise UserError(
-                f"drafters.{name}.loss.divergence=reverse_kl needs the target's full logits "
-                "(KL(q‖p) is unbounded where a top-k cache has p = 0): use features=online, "
-                "or loss.divergence=forward_kl / jsd / tv")
+            raise UserError(f"drafters.{name}.{loss.full_distribution_reason}: use "
+                            "features=online, or a loss that a top-k cache can serve")
     return any(loss.needs_target_distribution for loss in losses.values())
 
 

@@ -1,5 +1,22 @@
-"""Drafter losses: position-weighted hard CE, D-PACE, and distillation against the target
-(the v3 composite, forward/reverse KL, JSD, total variation, CE + divergence mixes).
+"""Drafter losses: one interface (``DrafterLoss``), the configured losses that implement it
+(position-weighted hard CE, D-PACE, distillation with any registered divergence, the v3
+composite as a preset of it), and their materialised reference functions.
+
+A configured loss says three things, and the training module asks nothing else of it:
+
+- what it needs from the target (``needs_target_logits``: at least the argmax ids;
+  ``needs_target_distribution``: the distribution, a cached top-k will do;
+  ``full_distribution_reason``: why only the full logits will do);
+- each valid slot's loss, CE and divergence from a chunk of logits (``row_loss``), and for
+  the fused path its gradient w.r.t. those logits (``row_terms``: by autograd over the chunk
+  unless written by hand);
+- the slots' weights once every slot's CE is known (``slot_weights``: position decay,
+  streak-aware, D-PACE) and the normaliser.
+
+``with_labels`` runs it on materialised logits; ``train/linear_ce.fused_head_loss`` runs the
+same terms chunk by chunk with the frozen lm_head and never forms the logits. A new loss is
+one ``DrafterLoss`` class registered in ``LOSSES``; a new divergence for ``distill`` is one
+class in ``train/divergences.py``.
 
 Tensor conventions (shared with the LightningModule and the metrics):
 
@@ -25,21 +42,31 @@ the mean of per-rank ratios; it equals the global ratio when the ranks' ``W`` ar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_lit.config_types import hints_of
 from dflash_lit.errors import UserError
 from dflash_lit.model.layout import IGNORE
+from dflash_lit.train.divergences import DIVERGENCE_REGISTRY, get_divergence
+from dflash_lit.train.row_terms import (
+    HeadChunk,
+    RowTerms,
+    autograd_terms,
+    ce_terms,
+    forward_kl_terms,
+)
 
 LabelSource = Literal["data", "target_argmax"]
 _LABEL_SOURCES: tuple[str, ...] = ("data", "target_argmax")
-Divergence = Literal["forward_kl", "reverse_kl", "jsd", "tv"]
-DIVERGENCES: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd", "tv")
+Divergence = Literal["forward_kl", "reverse_kl", "jsd", "tv"]  # the built-in ones
+DIVERGENCES: tuple[str, ...] = tuple(DIVERGENCE_REGISTRY)
 Normalize = Literal["weights", "slots"]
 _NORMALIZE: tuple[str, ...] = ("weights", "slots")
 _TINY = torch.finfo(torch.float32).tiny
@@ -67,19 +94,6 @@ class LossOutput:
     weight_sum: Tensor
     n_valid: Tensor
     per_slot_kl: Tensor | None = None
-
-
-class DrafterLoss(Protocol):
-    """A configured loss: ``loss_fn(logits, labels, target_logits) -> LossOutput``."""
-
-    needs_target_logits: bool
-    needs_target_distribution: bool  # full logits online, top-k from a feature cache
-    needs_full_distribution: bool  # full logits only: a top-k cache is refused
-    label_source: str
-
-    def __call__(
-        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
-    ) -> LossOutput: ...
 
 
 # --------------------------------------------------------------------------- helpers
@@ -174,38 +188,12 @@ def resolve_argmax_labels(argmax_per_slot: Tensor, labels: Tensor) -> Tensor:
                        torch.full_like(labels, IGNORE))
 
 
-def _scatter_slots(values: Tensor, valid: Tensor) -> Tensor:
+def scatter_slots(values: Tensor, valid: Tensor) -> Tensor:
     """Put per-valid-slot values [M] back into a zero [B, N, Bs] float32 tensor."""
     out = torch.zeros(valid.shape, dtype=torch.float32, device=values.device)
     out[valid] = values.detach().float()
     return out
 
-
-# --------------------------------------------------------------------------- losses
-def hard_ce_loss(logits: Tensor, labels: Tensor, gamma: float | None = 7.0) -> LossOutput:
-    """Position-weighted cross-entropy against hard labels.
-
-    ``loss = Σ_valid w_k · CE_k / Σ_valid w_k`` with ``w_k = exp(-(k-1)/gamma)``: a weighted
-    mean over valid slots (slot >= 1 with a label). Computed in float32 on the valid slots
-    only. With no valid slot the loss is an exact 0 that is still attached to the graph.
-    Pass ``target_argmax_labels(target_logits, labels)`` as ``labels`` for the target's greedy
-    labels.
-    """
-    check_block_inputs(logits, labels, where="hard_ce_loss")
-    bs = logits.shape[2]
-    valid = valid_mask(labels)
-    w_pos = position_weights(bs, gamma, device=logits.device)
-    ce = F.cross_entropy(logits[valid].float(), labels[valid], reduction="none")  # [M]
-    w = w_pos.expand(valid.shape)[valid]  # [M]
-    weight_sum = w.sum()
-    # clamp: an all-invalid batch gives 0/tiny = 0 instead of NaN, with no host sync.
-    loss = (w * ce).sum() / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
-    return LossOutput(
-        loss=loss,
-        per_slot_ce=_scatter_slots(ce, valid),
-        weight_sum=weight_sum.detach(),
-        n_valid=valid.sum(),
-    )
 
 
 def streak_weights(log_p_label: Tensor, valid: Tensor) -> Tensor:
@@ -282,27 +270,6 @@ def loss_normaliser(w: Tensor, normalize: str) -> Tensor:
         float(w.numel()), dtype=torch.float32, device=w.device)
 
 
-def dpace_loss(
-    logits: Tensor,
-    labels: Tensor,
-    alpha: float = 0.5,
-    gamma: float | None = None,
-    normalize: Normalize = "weights",
-) -> LossOutput:
-    """CE weighted by the detached D-PACE weights (``dpace_weights``), times ``w_γ(k)`` if
-    ``gamma`` is set: ``loss = Σ_valid w·CE / D`` with ``D = Σ_valid w`` (``weights``) or the
-    number of valid slots (``slots``).
-    """
-    check_block_inputs(logits, labels, where="dpace_loss")
-    _check_dpace_args(alpha, normalize)
-    valid = valid_mask(labels)
-    ce = F.cross_entropy(logits[valid].float(), labels[valid], reduction="none")  # [M]
-    w = dpace_slot_weights(ce, valid, alpha, gamma)
-    den = loss_normaliser(w, normalize)
-    loss = (w * ce).sum() / den.clamp_min(_TINY)
-    return LossOutput(loss=loss, per_slot_ce=_scatter_slots(ce, valid),
-                      weight_sum=den.detach(), n_valid=valid.sum())
-
 
 def _check_dpace_args(alpha: float, normalize: str) -> None:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
@@ -312,97 +279,6 @@ def _check_dpace_args(alpha: float, normalize: str) -> None:
         raise UserError(f"loss.normalize={normalize!r}: must be one of {list(_NORMALIZE)} "
                         "('weights': Σ w·CE / Σ w; 'slots': Σ w·CE / valid slots)")
 
-
-# --------------------------------------------------------------------------- distillation
-def _plogp_ratio(log_a: Tensor, log_b: Tensor) -> Tensor:
-    """Σ_v a_v·(log a_v − log b_v) per row, with 0·log 0 = 0 (a target logit of -inf)."""
-    term = log_a.exp() * (log_a - log_b)
-    return torch.where(torch.isneginf(log_a), torch.zeros_like(term), term).sum(-1)
-
-
-def slot_divergence(log_q: Tensor, log_p: Tensor, divergence: str) -> Tensor:
-    """[M] divergence between the target's ``p`` and the draft's ``q``, from log-probs [M, V].
-
-    ``forward_kl`` KL(p‖q) (mass-covering); ``reverse_kl`` KL(q‖p) (mode-seeking, infinite
-    where q has mass p lacks); ``jsd`` ½KL(p‖m) + ½KL(q‖m), m = (p+q)/2 (bounded by ln 2);
-    ``tv`` ½Σ|p − q| (in [0, 1]).
-    """
-    if divergence == "forward_kl":
-        return _plogp_ratio(log_p, log_q)
-    if divergence == "reverse_kl":
-        return _plogp_ratio(log_q, log_p)
-    if divergence == "jsd":
-        log_m = torch.logaddexp(log_p, log_q) - math.log(2.0)
-        return 0.5 * (_plogp_ratio(log_p, log_m) + _plogp_ratio(log_q, log_m))
-    if divergence == "tv":
-        return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
-    raise UserError(f"loss.divergence={divergence!r}: must be one of {list(DIVERGENCES)}")
-
-
-def distill_loss(
-    logits: Tensor,
-    labels: Tensor,
-    target_logits: Tensor | None,
-    divergence: Divergence = "forward_kl",
-    gamma: float | None = 7.0,
-    div_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    temperature: float = 1.0,
-    streak_aware: bool = False,
-) -> LossOutput:
-    """``div_weight·T²·D(target, draft at T) + ce_weight·CE(labels)`` per slot, weighted mean.
-
-    - ``D`` is ``slot_divergence`` between ``softmax(target/T)`` and ``softmax(draft/T)``,
-      scaled by ``T²`` (Hinton et al.'s convention: the KL gradient's size then does not
-      shrink with T, so the weights mean the same at any temperature).
-    - CE is plain (T = 1) cross-entropy against ``labels``.
-    - Weights ``w_k · s_k``: position decay times, if ``streak_aware``, the detached draft
-      probability (T = 1) that slots 1..k-1 were all right (``streak_weights``).
-    - Normalised by ``Σ w·s`` over valid slots.
-    """
-    check_block_inputs(logits, labels, target_logits, where="distill_loss")
-    require_target_logits(target_logits, f"loss.divergence={divergence}",
-                          "use loss.name=hard_ce / dpace")
-    _check_distill_args(divergence, div_weight, ce_weight, temperature)
-    valid = valid_mask(labels)
-    t = float(temperature)
-
-    draft = logits[valid].float()  # [M, V]
-    ce = F.cross_entropy(draft, labels[valid], reduction="none")  # [M]
-    log_q_t = F.log_softmax(draft / t, dim=-1)
-    log_p_t = F.log_softmax(target_logits[valid].detach().float() / t, dim=-1)
-    div = slot_divergence(log_q_t, log_p_t, divergence) * (t * t)  # [M]
-
-    w = distill_slot_weights(ce, valid, gamma, streak_aware)  # [M]
-    weight_sum = w.sum()
-    loss = (w * (div_weight * div + ce_weight * ce)).sum() / weight_sum.clamp_min(_TINY)
-    return LossOutput(
-        loss=loss,
-        per_slot_ce=_scatter_slots(ce, valid),
-        weight_sum=weight_sum.detach(),
-        n_valid=valid.sum(),
-        per_slot_kl=_scatter_slots(div, valid),
-    )
-
-
-def composite_loss(
-    logits: Tensor,
-    labels: Tensor,
-    target_logits: Tensor | None,
-    gamma: float | None = 10.0,
-    kl_weight: float = 0.7,
-    ce_weight: float = 0.3,
-    temperature: float = 2.0,
-    streak_aware: bool = True,
-) -> LossOutput:
-    """The v3 recipe: ``kl_weight·T²·KL(target‖draft at T) + ce_weight·CE(labels)`` per slot,
-    with streak-aware position weights: ``distill_loss`` with ``divergence=forward_kl``."""
-    check_block_inputs(logits, labels, target_logits, where="composite_loss")
-    require_target_logits(target_logits, "loss.name=composite", "use loss.name=hard_ce",
-                          " (its KL term)")
-    _check_mix_args(kl_weight, ce_weight, temperature, div_key="kl_weight", example="0.7 / 0.3")
-    return distill_loss(logits, labels, target_logits, "forward_kl", gamma, kl_weight,
-                        ce_weight, temperature, streak_aware)
 
 
 def _check_mix_args(div_weight: float, ce_weight: float, temperature: float,
@@ -414,14 +290,6 @@ def _check_mix_args(div_weight: float, ce_weight: float, temperature: float,
             f"loss.{div_key}={div_weight!r}, loss.ce_weight={ce_weight!r}: both must be >= 0 "
             f"and not both 0 (e.g. {example})"
         )
-
-
-def _check_distill_args(divergence: str, div_weight: float, ce_weight: float,
-                        temperature: float) -> None:
-    if divergence not in DIVERGENCES:
-        raise UserError(f"loss.divergence={divergence!r}: must be one of {list(DIVERGENCES)}")
-    _check_mix_args(div_weight, ce_weight, temperature, div_key="div_weight",
-                    example="1.0 / 0.0 for a pure divergence")
 
 
 def _check_gamma(gamma: float | None) -> None:
@@ -440,64 +308,219 @@ def _check_label_source(labels: str) -> None:
         )
 
 
-def _resolve_labels(source: str, labels: Tensor, target_logits: Tensor | None) -> Tensor:
-    return target_argmax_labels(target_logits, labels) if source == "target_argmax" else labels
+# --------------------------------------------------------------------------- the interface
+class DrafterLoss:
+    """A configured drafter loss (one subclass per ``loss.name``, a frozen dataclass whose
+    fields are the config keys; class settings are set without annotations so that they
+    stay out of the fields). Subclasses define ``row_loss`` and ``slot_weights``, may
+    write ``row_terms`` by hand, and say what they need from the target.
 
+    The loss of a batch is ``Σ_valid w·ℓ / D`` with ``ℓ`` from ``row_loss`` and
+    ``(w, D)`` from ``slot_weights``; ``w`` is detached and depends on the CE only, so the
+    fused path can scale each row's gradient once every CE is known.
+    """
 
-# --------------------------------------------------------------------------- configured callables
-class _LabelledLoss:
-    """What every configured loss shares: its CE labels come from ``labels`` (data /
-    target_argmax), resolved before ``with_labels`` (which subclasses define) runs."""
-
-    labels: LabelSource
+    labels: LabelSource  # CE labels: data | target_argmax (a field of every subclass)
+    where: ClassVar[str] = "loss"  # the name in shape errors
+    # Whether the fused path (linear_ce.fused_head_loss) can run it. All built-in losses
+    # can; a loss whose terms need more than one row at a time would set False here.
+    fused: ClassVar[bool] = True
+    # The target's distribution, not only its argmax: full logits online, top-k from a cache.
+    needs_target_distribution: ClassVar[bool] = False
 
     @property
     def label_source(self) -> str:
         return self.labels
 
-    def with_labels(self, logits: Tensor, labels: Tensor,
-                    target_logits: Tensor | None = None) -> LossOutput:
-        raise NotImplementedError
-
-    def __call__(
-        self, logits: Tensor, labels: Tensor, target_logits: Tensor | None = None
-    ) -> LossOutput:
-        return self.with_labels(logits, _resolve_labels(self.labels, labels, target_logits),
-                                target_logits)
-
-
-class _HardLabelLoss(_LabelledLoss):
-    """Losses on hard labels only: the target's argmax ids suffice (a feature cache stores them)."""
-
-    needs_target_distribution = False
-    needs_full_distribution = False
-
     @property
     def needs_target_logits(self) -> bool:
-        """Whether the module must compute the target's logits (here: for their argmax)."""
-        return self.labels == "target_argmax"
+        """Whether the module must compute the target's logits (at least their argmax)."""
+        return self.needs_target_distribution or self.labels == "target_argmax"
+
+    @property
+    def full_distribution_reason(self) -> str | None:
+        """Which setting needs the target's full logits and why (a top-k cache is refused),
+        e.g. ``loss.divergence=reverse_kl needs the target's full logits (...)``; else None."""
+        return None
+
+    @property
+    def needs_full_distribution(self) -> bool:
+        return self.full_distribution_reason is not None
+
+    def missing_target(self) -> tuple[str, str, str]:
+        """(config value, what to do instead, why) for the error when target logits are
+        missing though ``needs_target_distribution``."""
+        return (f"loss.name={type(self).__name__}", "use loss.name=hard_ce", "")
+
+    # ---- per slot
+    def row_loss(self, z: Tensor, y: Tensor, target: Tensor | None
+                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(loss [M], CE [M], divergence [M] or None) of float32 logits ``z`` [M, V] with
+        labels ``y`` [M] and the target's logits [M, V] (None unless
+        ``needs_target_distribution``). Differentiable w.r.t. ``z``."""
+        raise NotImplementedError
+
+    def row_terms(self, chunk: HeadChunk) -> RowTerms:
+        """``row_loss`` and its gradient w.r.t. the chunk's logits (the fused path)."""
+        return autograd_terms(self.row_loss, chunk)
+
+    def slot_weights(self, ce: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """(detached weights [M] of the valid slots, the normaliser D) from their CE [M]
+        (in ``valid``'s [B, N, Bs] order)."""
+        raise NotImplementedError
+
+    # ---- on materialised logits
+    def with_labels(self, logits: Tensor, labels: Tensor,
+                    target_logits: Tensor | None = None) -> LossOutput:
+        """The loss of ``logits`` [B, N, Bs, V] for labels already resolved from
+        ``label_source``."""
+        check_block_inputs(logits, labels, target_logits, where=self.where)
+        target = None
+        if self.needs_target_distribution:
+            require_target_logits(target_logits, *self.missing_target())
+            target = target_logits
+        valid = valid_mask(labels)
+        rows, ce, div = self.row_loss(
+            logits[valid].float(), labels[valid],
+            None if target is None else target[valid].detach().float())
+        w, den = self.slot_weights(ce, valid)
+        return LossOutput(
+            loss=(w * rows).sum() / den.clamp_min(_TINY),
+            per_slot_ce=scatter_slots(ce, valid),
+            weight_sum=den.detach(),
+            n_valid=valid.sum(),
+            per_slot_kl=None if div is None else scatter_slots(div, valid),
+        )
+
+    def __call__(self, logits: Tensor, labels: Tensor,
+                 target_logits: Tensor | None = None) -> LossOutput:
+        """The loss of ``logits`` with labels from ``label_source`` (data / target argmax)."""
+        if self.labels == "target_argmax":
+            labels = target_argmax_labels(target_logits, labels)
+        return self.with_labels(logits, labels, target_logits)
 
 
+def _ce_rows(z: Tensor, y: Tensor, _target: Tensor | None = None
+             ) -> tuple[Tensor, Tensor, None]:
+    ce = F.cross_entropy(z, y, reduction="none")
+    return ce, ce, None
+
+
+# --------------------------------------------------------------------------- configured losses
 @dataclass(frozen=True)
-class HardCELoss(_HardLabelLoss):
-    """``hard_ce`` configured: position-weighted CE against ``labels`` (data / target_argmax)."""
+class HardCELoss(DrafterLoss):
+    """``hard_ce``: CE against ``labels``, slot weights ``exp(-(k-1)/gamma)``, normalised by
+    their sum."""
 
     gamma: float | None = 7.0
     labels: LabelSource = "target_argmax"
+    where = "hard_ce_loss"
 
     def __post_init__(self) -> None:
         _check_label_source(self.labels)
         _check_gamma(self.gamma)
 
-    def with_labels(self, logits: Tensor, labels: Tensor,
-                    target_logits: Tensor | None = None) -> LossOutput:
-        """The loss for labels already resolved from ``label_source``."""
-        return hard_ce_loss(logits, labels, self.gamma)
+    def row_loss(self, z, y, target=None):
+        return _ce_rows(z, y)
+
+    def row_terms(self, chunk: HeadChunk) -> RowTerms:
+        return ce_terms(chunk)
+
+    def slot_weights(self, ce: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        w = position_weights(valid.shape[-1], self.gamma, device=ce.device).expand(valid.shape)
+        w = w[valid]
+        return w, w.sum()
 
 
 @dataclass(frozen=True)
-class CompositeLoss(_LabelledLoss):
-    """``composite`` configured (v3): KL(target‖draft, T)·T²·kl_weight + CE·ce_weight."""
+class DPaceLoss(DrafterLoss):
+    """``dpace``: CE against ``labels`` weighted by D-PACE (``dpace_weights``), times
+    ``w_γ(k)`` if ``gamma`` is set."""
+
+    alpha: float = 0.5
+    gamma: float | None = None
+    normalize: Normalize = "weights"
+    labels: LabelSource = "target_argmax"
+    where = "dpace_loss"
+
+    def __post_init__(self) -> None:
+        _check_label_source(self.labels)
+        _check_dpace_args(self.alpha, self.normalize)
+        _check_gamma(self.gamma)
+
+    def row_loss(self, z, y, target=None):
+        return _ce_rows(z, y)
+
+    def row_terms(self, chunk: HeadChunk) -> RowTerms:
+        return ce_terms(chunk)
+
+    def slot_weights(self, ce: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        w = dpace_slot_weights(ce, valid, self.alpha, self.gamma)
+        return w, loss_normaliser(w, self.normalize)
+
+
+@dataclass(frozen=True)
+class DistillLoss(DrafterLoss):
+    """``distill``: ``div_weight·T²·D(target, draft at T) + ce_weight·CE`` per slot.
+
+    - ``D`` is the registered divergence ``divergence`` (``train/divergences.py``) between
+      ``softmax(target/T)`` and ``softmax(draft/T)``, scaled by ``T²`` (Hinton et al.'s
+      convention: the gradient's size then does not shrink with T).
+    - CE is plain (T = 1) cross-entropy against ``labels``.
+    - Weights ``w_k · s_k``: position decay times, if ``streak_aware``, the detached draft
+      probability (T = 1) that slots 1..k-1 were all right (``streak_weights``); normalised
+      by their sum.
+    """
+
+    divergence: str = "forward_kl"
+    gamma: float | None = 7.0
+    div_weight: float = 1.0
+    ce_weight: float = 0.0
+    temperature: float = 1.0
+    streak_aware: bool = False
+    labels: LabelSource = "target_argmax"  # CE labels (and the training metrics' labels)
+    where = "distill_loss"
+    needs_target_distribution = True
+    div_key = "div_weight"  # the config key of div_weight, for errors
+
+    def __post_init__(self) -> None:
+        _check_label_source(self.labels)
+        get_divergence(self.divergence)
+        _check_mix_args(self.div_weight, self.ce_weight, self.temperature, div_key=self.div_key,
+                        example="1.0 / 0.0 for a pure divergence")
+        _check_gamma(self.gamma)
+
+    @property
+    def full_distribution_reason(self) -> str | None:
+        why = get_divergence(self.divergence).needs_full
+        return why and f"loss.divergence={self.divergence} needs the target's full logits ({why})"
+
+    def missing_target(self) -> tuple[str, str, str]:
+        return (f"loss.divergence={self.divergence}", "use loss.name=hard_ce / dpace", "")
+
+    def row_loss(self, z, y, target):
+        t = float(self.temperature)
+        ce = F.cross_entropy(z, y, reduction="none")
+        div = get_divergence(self.divergence)(
+            F.log_softmax(z / t, dim=-1), F.log_softmax(target / t, dim=-1)) * (t * t)
+        return self.div_weight * div + self.ce_weight * ce, ce, div
+
+    def row_terms(self, chunk: HeadChunk) -> RowTerms:
+        if self.divergence == "forward_kl":  # written by hand: no autograd buffers
+            return forward_kl_terms(chunk, self.div_weight, self.ce_weight, self.temperature)
+        return super().row_terms(chunk)
+
+    def slot_weights(self, ce: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        w = distill_slot_weights(ce, valid, self.gamma, self.streak_aware)
+        return w, w.sum()
+
+
+@dataclass(frozen=True)
+class CompositeLoss(DistillLoss):
+    """``composite`` (v3): ``distill`` with forward KL, ``kl_weight`` as its ``div_weight``
+    and the v3 defaults (γ = 10, KL 0.7 / CE 0.3 at T = 2, streak-aware, data labels).
+    ``conf/loss/composite.yaml`` writes it as a ``distill`` config; the name stays so that
+    configs and checkpoints that say ``composite`` keep working."""
 
     gamma: float | None = 10.0
     kl_weight: float = 0.7
@@ -505,93 +528,21 @@ class CompositeLoss(_LabelledLoss):
     temperature: float = 2.0
     streak_aware: bool = True
     labels: LabelSource = "data"  # CE labels; v3 used the data tokens
+    divergence: str = dataclasses.field(default="forward_kl", init=False)
+    div_weight: float = dataclasses.field(default=0.7, init=False)
+    where = "composite_loss"
+    div_key = "kl_weight"
 
     def __post_init__(self) -> None:
-        _check_label_source(self.labels)
-        _check_mix_args(self.kl_weight, self.ce_weight, self.temperature, div_key="kl_weight",
-                        example="0.7 / 0.3")
-        _check_gamma(self.gamma)
+        object.__setattr__(self, "div_weight", self.kl_weight)
+        super().__post_init__()
 
-    @property
-    def needs_target_logits(self) -> bool:
-        """Always True: the KL term needs the target's logits."""
-        return True
-
-    needs_target_distribution = True  # the KL term: full logits online, top-k from a cache
-    needs_full_distribution = False
-
-    def with_labels(self, logits: Tensor, labels: Tensor,
-                    target_logits: Tensor | None = None) -> LossOutput:
-        """The loss for CE labels already resolved from ``label_source``."""
-        return composite_loss(
-            logits,
-            labels,
-            target_logits,
-            gamma=self.gamma,
-            kl_weight=self.kl_weight,
-            ce_weight=self.ce_weight,
-            temperature=self.temperature,
-            streak_aware=self.streak_aware,
-        )
+    def missing_target(self) -> tuple[str, str, str]:
+        return ("loss.name=composite", "use loss.name=hard_ce", " (its KL term)")
 
 
-@dataclass(frozen=True)
-class DPaceLoss(_HardLabelLoss):
-    """``dpace`` configured: CE against ``labels`` weighted by D-PACE (times ``w_γ`` if set)."""
-
-    alpha: float = 0.5
-    gamma: float | None = None
-    normalize: Normalize = "weights"
-    labels: LabelSource = "target_argmax"
-
-    def __post_init__(self) -> None:
-        _check_label_source(self.labels)
-        _check_dpace_args(self.alpha, self.normalize)
-        _check_gamma(self.gamma)
-
-    def with_labels(self, logits: Tensor, labels: Tensor,
-                    target_logits: Tensor | None = None) -> LossOutput:
-        """The loss for labels already resolved from ``label_source``."""
-        return dpace_loss(logits, labels, self.alpha, self.gamma, self.normalize)
-
-
-@dataclass(frozen=True)
-class DistillLoss(_LabelledLoss):
-    """``distill`` configured: ``div_weight·T²·D(target, draft) + ce_weight·CE`` per slot,
-    D = ``divergence`` (forward_kl | reverse_kl | jsd | tv)."""
-
-    divergence: Divergence = "forward_kl"
-    gamma: float | None = 7.0
-    div_weight: float = 1.0
-    ce_weight: float = 0.0
-    temperature: float = 1.0
-    streak_aware: bool = False
-    labels: LabelSource = "target_argmax"  # CE labels (and the training metrics' labels)
-
-    def __post_init__(self) -> None:
-        _check_label_source(self.labels)
-        _check_distill_args(self.divergence, self.div_weight, self.ce_weight, self.temperature)
-        _check_gamma(self.gamma)
-
-    needs_target_logits = True  # the divergence needs the target's distribution
-
-    needs_target_distribution = True  # full logits online, top-k from a cache
-
-    @property
-    def needs_full_distribution(self) -> bool:
-        """reverse KL is infinite wherever the draft has mass outside a cached top-k."""
-        return self.divergence == "reverse_kl"
-
-    def with_labels(self, logits: Tensor, labels: Tensor,
-                    target_logits: Tensor | None = None) -> LossOutput:
-        """The loss for CE labels already resolved from ``label_source``."""
-        return distill_loss(logits, labels, target_logits, self.divergence, self.gamma,
-                            self.div_weight, self.ce_weight, self.temperature,
-                            self.streak_aware)
-
-
-LOSSES: dict[str, type] = {"hard_ce": HardCELoss, "composite": CompositeLoss,
-                           "dpace": DPaceLoss, "distill": DistillLoss}
+LOSSES: dict[str, type[DrafterLoss]] = {"hard_ce": HardCELoss, "composite": CompositeLoss,
+                                        "dpace": DPaceLoss, "distill": DistillLoss}
 
 
 def build_loss(name: str, **kwargs: Any) -> DrafterLoss:
@@ -603,10 +554,46 @@ def build_loss(name: str, **kwargs: Any) -> DrafterLoss:
     if name not in LOSSES:
         raise UserError(f"loss.name={name!r}: unknown loss; choose one of {sorted(LOSSES)}")
     cls = LOSSES[name]
-    allowed = sorted(cls.__dataclass_fields__)
+    allowed = sorted(hints_of(cls))
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise UserError(
             f"loss.name={name}: unknown key(s) {unknown} under loss:; accepted keys: {allowed}"
         )
     return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------- functional forms
+def hard_ce_loss(logits: Tensor, labels: Tensor, gamma: float | None = 7.0) -> LossOutput:
+    """Position-weighted cross-entropy against hard labels:
+    ``Σ_valid w_k · CE_k / Σ_valid w_k`` with ``w_k = exp(-(k-1)/gamma)``. With no valid slot
+    the loss is an exact 0 that is still attached to the graph. Pass
+    ``target_argmax_labels(target_logits, labels)`` as ``labels`` for the target's greedy
+    labels."""
+    return HardCELoss(gamma, labels="data").with_labels(logits, labels)
+
+
+def dpace_loss(logits: Tensor, labels: Tensor, alpha: float = 0.5, gamma: float | None = None,
+               normalize: Normalize = "weights") -> LossOutput:
+    """CE weighted by the detached D-PACE weights (``dpace_weights``), times ``w_γ(k)`` if
+    ``gamma`` is set: ``Σ_valid w·CE / D``, ``D = Σ_valid w`` (``weights``) or the number of
+    valid slots (``slots``)."""
+    return DPaceLoss(alpha, gamma, normalize, labels="data").with_labels(logits, labels)
+
+
+def distill_loss(logits: Tensor, labels: Tensor, target_logits: Tensor | None,
+                 divergence: str = "forward_kl", gamma: float | None = 7.0,
+                 div_weight: float = 1.0, ce_weight: float = 0.0, temperature: float = 1.0,
+                 streak_aware: bool = False) -> LossOutput:
+    """``DistillLoss`` with CE against ``labels`` as given."""
+    return DistillLoss(divergence, gamma, div_weight, ce_weight, temperature, streak_aware,
+                       labels="data").with_labels(logits, labels, target_logits)
+
+
+def composite_loss(logits: Tensor, labels: Tensor, target_logits: Tensor | None,
+                   gamma: float | None = 10.0, kl_weight: float = 0.7, ce_weight: float = 0.3,
+                   temperature: float = 2.0, streak_aware: bool = True) -> LossOutput:
+    """The v3 recipe, ``CompositeLoss`` with CE against ``labels`` as given."""
+    return CompositeLoss(gamma=gamma, kl_weight=kl_weight, ce_weight=ce_weight,
+                         temperature=temperature, streak_aware=streak_aware,
+                         labels="data").with_labels(logits, labels, target_logits)

@@ -32,16 +32,13 @@ from dflash_lit.model.layout import (
 )
 from dflash_lit.model.target import FrozenTarget, TargetOutput
 from dflash_lit.train.anchors import fixed_anchors, sample_anchors, step_generator
-from dflash_lit.train.linear_ce import fused_dpace, fused_hard_ce, restrict_vocab
-from dflash_lit.train.linear_distill import forward_kl_terms, fused_forward_kl
-from dflash_lit.train.losses import DPaceLoss, HardCELoss, build_loss, resolve_argmax_labels
+from dflash_lit.train.linear_ce import fused_head_loss, restrict_vocab
+from dflash_lit.train.losses import build_loss, resolve_argmax_labels
 from dflash_lit.train.metrics import DrafterMetrics, accuracy, streak
 from dflash_lit.train.optim import MUON_SUFFIX, build_optimizer, group_drafter
 from dflash_lit.train.plateau import PlateauDiagnostics, plateau_message
 from dflash_lit.train.schedules import lr_factor, max_anchors_at, noise_sigma
 from dflash_lit.train.spec import DrafterSpec, MuonSettings, capture_layer_ids
-
-FUSED_LOSSES = (HardCELoss, DPaceLoss)  # run fused with the frozen lm_head (linear_ce)
 
 
 def _init_drafter(spec: DrafterSpec, seed: int) -> DFlashDrafter:
@@ -124,20 +121,20 @@ class DFlashModule(L.LightningModule):
         self.need_logits = any(loss.needs_target_logits for loss in self.losses.values())
         self.need_distribution = any(loss.needs_target_distribution
                                      for loss in self.losses.values())
-        # hard CE and D-PACE run fused with the frozen lm_head (linear_ce), as do the
-        # composite and forward-KL distillation (linear_distill): matmuls in
-        # head_dtype (bf16 where the machine measures it faster), softmax/CE in fp32,
+        # every loss runs fused with the frozen lm_head (linear_ce.fused_head_loss): matmuls
+        # in head_dtype (bf16 where the machine measures it faster), the loss in fp32,
         # chunk_rows slots at a time
         self.head_dtype = settings.head_dtype
         self.loss_chunk_rows = int(settings.loss_chunk_rows)
         # training softmax of the fused losses over these ids ∪ each batch's labels (None =
         # the full vocab); validation and drafting always use the full vocab
         if train_vocab is not None:
-            unfused = [n for n, lo in self.losses.items() if not isinstance(lo, FUSED_LOSSES)]
-            if unfused:
-                raise ValueError(f"train_vocab: drafters {unfused} use a loss that needs the full "
-                                 "distribution (only hard_ce and dpace run on a reduced vocab); "
-                                 "set train_vocab=null")
+            dist = [n for n, lo in self.losses.items()
+                    if lo.needs_target_distribution or not lo.fused]
+            if dist:
+                raise ValueError(f"train_vocab: drafters {dist} use a loss that needs the full "
+                                 "distribution (only hard-label losses such as hard_ce and "
+                                 "dpace run on a reduced vocab); set train_vocab=null")
         # derived from the data at every start: follows the module's device, never saved
         self.register_buffer("train_vocab", train_vocab, persistent=False)
         bs = {s.name: s.model.block_size for s in specs}
@@ -182,7 +179,7 @@ class DFlashModule(L.LightningModule):
             return hidden
         return hidden.view(b, s, len(self.capture_ids), d)[:, :, idx].reshape(b, s, -1)
 
-    def _backend(self, layout) -> str:
+    def attention_backend(self, layout) -> str:
         """``attention=auto``: flex on CUDA, the blockwise path elsewhere (on CPU it runs
         torch's fused flash kernel over the context only: faster than the dense mask at every
         anchor count measured, bench/attention_layout.py)."""
@@ -202,8 +199,8 @@ class DFlashModule(L.LightningModule):
         return x + sigma * z
 
     def _forward_drafter(self, name, batch, out, step, train: bool, need_logits: bool = False):
-        """(logits [B, N, Bs, V] or argmax predictions [B, N, Bs], layout with resolved labels,
-        LossOutput). The fused hard-CE path never forms the logits; ``need_logits`` forces
+        """(argmax ids [B, N, Bs] or logits [B, N, Bs, V], layout with resolved labels,
+        LossOutput). The fused path never forms the logits; ``need_logits`` forces
         them (offline tree metrics at validation)."""
         layout, _, hidden = self._draft(name, batch, out, step, train)
         return self._head_loss(name, layout, hidden, out, need_logits)
@@ -229,41 +226,26 @@ class DFlashModule(L.LightningModule):
 
     def _drafter_hidden(self, name: str, th: Tensor, layout) -> Tensor:
         return draft_hidden(self.drafters[name], self._target.embed_tokens, th, layout,
-                            backend=self._backend(layout), compile_mask=self.compile_mask)
+                            backend=self.attention_backend(layout), compile_mask=self.compile_mask)
 
     def _head_loss(self, name, layout, hidden, out, need_logits: bool):
-        """(logits or argmax ids, LossOutput) of the drafter's hidden states."""
+        """(argmax ids [B, N, Bs] from the fused path, or logits [B, N, Bs, V] when
+        ``need_logits`` or the loss cannot run fused; layout; LossOutput)."""
         loss = self.losses[name]
-        if isinstance(loss, FUSED_LOSSES) and not need_logits:
-            loss_out, pred = self._fused_ce(loss, hidden, layout.labels)
-            return pred, layout, loss_out
-        kl_terms = forward_kl_terms(loss)
-        if kl_terms is not None and out.logits is not None and not need_logits:
-            weight = self._target.lm_head.weight  # fused with the lm_head (linear_distill)
-            loss_out, pred = fused_forward_kl(
-                hidden.to(weight.dtype), weight, layout.labels, out.logits,
-                layout.target_positions(), **kl_terms, chunk_rows=self.loss_chunk_rows,
-                compute_dtype=self.head_dtype)
+        if loss.fused and not need_logits:
+            weight, labels, ids = self._target.lm_head.weight, layout.labels, None
+            if self.training and self.train_vocab is not None:
+                weight, labels, ids = restrict_vocab(weight, labels, self.train_vocab)
+            loss_out, pred = fused_head_loss(
+                loss, hidden.to(weight.dtype), weight, labels, out.logits,
+                layout.target_positions() if loss.needs_target_distribution else None,
+                self.loss_chunk_rows, self.head_dtype)
+            if ids is not None:  # argmax ids back from the reduced vocab's numbering
+                pred = torch.where(pred == IGNORE, pred, ids[pred.clamp_min(0)])
             return pred, layout, loss_out
         logits = self._target.lm_head(hidden.to(self._target.dtype))
         tgt = gather_target_logits(out.logits, layout) if out.logits is not None else None
         return logits, layout, loss.with_labels(logits, layout.labels, tgt)
-
-    def _fused_ce(self, loss: HardCELoss | DPaceLoss, hidden: Tensor, labels: Tensor):
-        """(LossOutput, argmax ids) of a CE loss run fused with the frozen lm_head."""
-        weight = self._target.lm_head.weight
-        h, rows, dt = hidden.to(weight.dtype), self.loss_chunk_rows, self.head_dtype
-        ids = None
-        if self.training and self.train_vocab is not None:
-            weight, labels, ids = restrict_vocab(weight, labels, self.train_vocab)
-        if isinstance(loss, DPaceLoss):
-            out = fused_dpace(h, weight, labels, loss.alpha, loss.gamma, loss.normalize, rows, dt)
-        else:
-            out = fused_hard_ce(h, weight, labels, loss.gamma, rows, dt)
-        if ids is None:
-            return out
-        loss_out, pred = out  # argmax ids back from the reduced vocab's numbering
-        return loss_out, torch.where(pred == IGNORE, pred, ids[pred.clamp_min(0)])
 
     def _target_forward(self, batch) -> TargetOutput:
         """The target's captured layers and greedy ids: from the batch when the features are
@@ -285,6 +267,21 @@ class DFlashModule(L.LightningModule):
                 # the step's finiteness check)
         return out
 
+    # ------------------------------------------------------------------ one step, for benchmarks
+    def target_features(self, batch: dict[str, Tensor]) -> TargetOutput:
+        """The target's captured layers and greedy ids for ``batch``, as a training step gets
+        them (from a feature cache, or one frozen forward)."""
+        return self._target_forward(batch)
+
+    def drafter_losses(self, batch: dict[str, Tensor], out: TargetOutput, step: int,
+                       materialise: bool = False) -> dict[str, tuple[Any, Any]]:
+        """Each drafter's (layout, ``LossOutput``) on ``batch`` as the training step at
+        ``step`` computes them (noise, anchors; call ``schedules_at(step)`` first), without
+        logging or an optimizer step. ``materialise``: through the [B, N, Bs, V] logits (the
+        path validation takes for tree metrics) instead of the fused lm_head."""
+        return {n: self._forward_drafter(n, batch, out, step, train=True,
+                                         need_logits=materialise)[1:] for n in self.drafters}
+
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
         self._target.to(self.device)
@@ -303,8 +300,8 @@ class DFlashModule(L.LightningModule):
         per = {}
         if finite:
             for name in self.drafters:
-                logits, layout, lo = self._forward_drafter(name, batch, out, step, train=True)
-                per[name] = (logits, layout, lo)
+                pred, layout, lo = self._forward_drafter(name, batch, out, step, train=True)
+                per[name] = (pred, layout, lo)
                 total = total + lo.loss
             finite = bool(torch.isfinite(total))
         finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
@@ -320,13 +317,13 @@ class DFlashModule(L.LightningModule):
                                       for v in per.values())),
         }
         first = next(iter(self.drafters))
-        for name, (logits, layout, lo) in per.items():
-            self.train_metrics[name].update(logits.detach(), layout.labels, lo)
+        for name, (pred, layout, lo) in per.items():  # pred: argmax ids (or logits)
+            self.train_metrics[name].update(pred.detach(), layout.labels, lo)
             pre = f"train/{name}"
             vals = {
                 f"{pre}/loss": lo.loss.detach(),
-                f"{pre}/acc": accuracy(logits, layout.labels).float(),
-                f"{pre}/streak": streak(logits, layout.labels).float(),
+                f"{pre}/acc": accuracy(pred, layout.labels).float(),
+                f"{pre}/streak": streak(pred, layout.labels).float(),
                 f"{pre}/noise": torch.tensor(self.current_noise[name]),
                 f"{pre}/anchors": torch.tensor(float(self.current_anchors[name])),
             }
@@ -393,9 +390,9 @@ class DFlashModule(L.LightningModule):
         for name in self.drafters:
             trees = bool(self.val_metrics[name].tree_budgets)
             layout, th, hidden = self._draft(name, batch, out, self.global_step, False)
-            logits, _, lo = self._head_loss(name, layout, hidden, out, need_logits=trees)
-            self.val_metrics[name].update(logits, layout.labels, lo)
-            pred = logits if logits.dim() == 3 else logits.argmax(-1)
+            scores, _, lo = self._head_loss(name, layout, hidden, out, need_logits=trees)
+            self.val_metrics[name].update(scores, layout.labels, lo)  # logits with trees
+            pred = scores if scores.dim() == 3 else scores.argmax(-1)
             self._update_plateau(name, th, layout, hidden, pred)
 
     @torch.no_grad()
