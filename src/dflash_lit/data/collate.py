@@ -18,7 +18,8 @@ class PadCollator:
     - ``input_ids`` [B, S] int64, ``pad_token_id`` on padding;
     - ``loss_mask`` [B, S] int64, 0 on padding;
     - ``attention_mask`` [B, S] int64, 1 on real tokens;
-    - ``lengths`` [B] int64 real lengths; ``index`` [B] int64 dataset row indices;
+    - ``lengths`` [B] int64 real lengths; ``index`` [B] int64 dataset row indices (which rows
+      a step saw: what the exact-resume checks compare);
     - with cached target features (``data.features=cache``): ``target_hidden`` [B, S, F]
       float32 and ``target_argmax`` [B, S] int64 (0 on padding), and with a top-k cache
       ``target_topk_ids`` [B, S, k] int64 / ``target_topk_logits`` [B, S, k] float32.

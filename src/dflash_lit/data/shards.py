@@ -316,10 +316,6 @@ class ShardDataset(torch.utils.data.Dataset):
             self._ids = out
         return self._ids
 
-    def file_of(self, i: int) -> Path:
-        """The shard file that row ``i`` comes from."""
-        return self.files[int(self._locate(self.rows[i : i + 1])[0])]
-
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.__getitems__([i])[0]
 
