@@ -400,15 +400,21 @@ class DrafterLoss:
         return self.with_labels(logits, labels, target_logits)
 
 
-def _ce_rows(z: Tensor, y: Tensor, _target: Tensor | None = None
-             ) -> tuple[Tensor, Tensor, None]:
-    ce = F.cross_entropy(z, y, reduction="none")
-    return ce, ce, None
+class _CrossEntropyRows(DrafterLoss):
+    """Losses whose per-slot term is the CE itself (its gradient written by hand); they
+    differ in their slot weights only."""
+
+    def row_loss(self, z, y, target=None):
+        ce = F.cross_entropy(z, y, reduction="none")
+        return ce, ce, None
+
+    def row_terms(self, chunk: HeadChunk) -> RowTerms:
+        return ce_terms(chunk)
 
 
 # --------------------------------------------------------------------------- configured losses
 @dataclass(frozen=True)
-class HardCELoss(DrafterLoss):
+class HardCELoss(_CrossEntropyRows):
     """``hard_ce``: CE against ``labels``, slot weights ``exp(-(k-1)/gamma)``, normalised by
     their sum."""
 
@@ -420,12 +426,6 @@ class HardCELoss(DrafterLoss):
         _check_label_source(self.labels)
         _check_gamma(self.gamma)
 
-    def row_loss(self, z, y, target=None):
-        return _ce_rows(z, y)
-
-    def row_terms(self, chunk: HeadChunk) -> RowTerms:
-        return ce_terms(chunk)
-
     def slot_weights(self, ce: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         w = position_weights(valid.shape[-1], self.gamma, device=ce.device).expand(valid.shape)
         w = w[valid]
@@ -433,7 +433,7 @@ class HardCELoss(DrafterLoss):
 
 
 @dataclass(frozen=True)
-class DPaceLoss(DrafterLoss):
+class DPaceLoss(_CrossEntropyRows):
     """``dpace``: CE against ``labels`` weighted by D-PACE (``dpace_weights``), times
     ``w_γ(k)`` if ``gamma`` is set."""
 
@@ -447,12 +447,6 @@ class DPaceLoss(DrafterLoss):
         _check_label_source(self.labels)
         _check_dpace_args(self.alpha, self.normalize)
         _check_gamma(self.gamma)
-
-    def row_loss(self, z, y, target=None):
-        return _ce_rows(z, y)
-
-    def row_terms(self, chunk: HeadChunk) -> RowTerms:
-        return ce_terms(chunk)
 
     def slot_weights(self, ce: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         w = dpace_slot_weights(ce, valid, self.alpha, self.gamma)
