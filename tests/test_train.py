@@ -376,3 +376,31 @@ def test_module_settings_defaults_are_the_configs(tmp_path):
     for f in fields(ModuleSettings):
         if f.name != "compile_mask" or not torch.cuda.is_available():  # auto: on CUDA
             assert getattr(got, f.name) == getattr(default, f.name), f.name
+
+
+def test_drafter_initialised_from_a_target_layer(tmp_path):
+    """drafter.init_from_target_layer=5 copies that decoder layer's projections and norms
+    (and the final norm) into the drafter; a drafter of another shape is a one-line error."""
+    from dflash_lit.errors import UserError
+    from dflash_lit.train.build import target_layer_state
+    from dflash_lit.train.run import build_run
+
+    data = make_shards(tmp_path / "train", n=8)
+    shape = ["drafter.intermediate_size=128", "drafter.init_from_target_layer=5"]
+    cfg = compose_train(base_overrides(tmp_path, data) + shape, tmp_path / "r")
+    module, _, _ = build_run(cfg)
+    drafter = module.drafters["main"]
+    ref = target_layer_state(cfg.target, 5)
+    for name, t in drafter.layers[0].state_dict().items():
+        assert torch.equal(t, ref[name]), name
+    assert torch.equal(drafter.norm.weight, ref["final_norm.weight"])
+    other = compose_train(base_overrides(tmp_path, data) + ["drafter.init_from_target_layer=5"],
+                          tmp_path / "r2")  # intermediate 96 against the target's 128
+    with pytest.raises(UserError, match=r"init_from_target_layer=5: .*mlp.gate_proj.weight: "
+                                        r"drafter \(96, 64\), target \(128, 64\)") as e:
+        build_run(other)
+    assert "\n" not in str(e.value)
+    far = compose_train(base_overrides(tmp_path, data) + ["drafter.init_from_target_layer=8"],
+                        tmp_path / "r3")
+    with pytest.raises(UserError, match=r"init_from_target_layer=8 is not a layer"):
+        build_run(far)

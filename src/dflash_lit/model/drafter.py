@@ -202,6 +202,29 @@ class DFlashDrafter(nn.Module):
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
 
+    @torch.no_grad()
+    def load_target_layer(self, weights: dict[str, Tensor]) -> list[str]:
+        """Initialise every drafter layer from one target decoder layer: ``weights`` maps the
+        names under that layer (``self_attn.q_proj.weight``, ``mlp.up_proj.weight``, norms)
+        to tensors, plus ``final_norm.weight`` for the drafter's output norm. Entries the
+        target lacks (Qwen3's q/k norms for a Llama target) keep their initialisation.
+        Returns the names copied; ValueError when a projection is missing or of another
+        shape (the drafter must have the target layer's shape: drafter=smollm2 does)."""
+        own = self.layers[0].state_dict()
+        bad = [f"{k}: drafter {tuple(v.shape)}, target {tuple(weights[k].shape)}"
+               for k, v in own.items() if k in weights and weights[k].shape != v.shape]
+        needed = [k for k in own if k.endswith("proj.weight") and k not in weights]
+        if bad or needed:
+            raise ValueError("the target layer does not fit the drafter layer: "
+                             + "; ".join(bad + [f"{k}: not in the target layer" for k in needed]))
+        copied = [k for k in own if k in weights]
+        for layer in self.layers:
+            layer.load_state_dict({k: weights[k] for k in copied}, strict=False)
+        if "final_norm.weight" in weights:
+            self.norm.weight.copy_(weights["final_norm.weight"])
+            copied.append("norm.weight")
+        return copied
+
     def project_context(self, target_hidden: Tensor) -> Tensor:
         """Fuse K target layers: ``hidden_norm(fc(concat_K))`` -> [B, c, d]."""
         expected = self.fc.in_features

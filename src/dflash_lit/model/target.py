@@ -320,27 +320,16 @@ class TargetHeads(_FrozenHeads):
     def from_pretrained(cls, path: str | Path, layer_ids: list[int],
                         dtype: torch.dtype = torch.float32) -> TargetHeads:
         """Read only the embedding and output matrices from an HF dir's safetensors."""
-        import json
-
-        from safetensors import safe_open
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(str(path))
-        cfg = text_config(cfg)
+        cfg = text_config(AutoConfig.from_pretrained(str(path)))
         found: dict[str, torch.Tensor] = {}
-        files = sorted(Path(path).glob("*.safetensors"))
-        index = Path(path) / "model.safetensors.index.json"
-        if index.is_file():  # sharded: open only the shards holding the two matrices
-            wmap = json.loads(index.read_text())["weight_map"]
-            files = sorted({Path(path) / f for k, f in wmap.items()
-                            if k.endswith(("embed_tokens.weight", "lm_head.weight"))})
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():
-                    if k.endswith("embed_tokens.weight") and "embed" not in found:
-                        found["embed"] = st.get_tensor(k)
-                    elif k.endswith("lm_head.weight"):
-                        found["head"] = st.get_tensor(k)
+        for k, t in read_safetensors(path, lambda k: k.endswith(("embed_tokens.weight",
+                                                                   "lm_head.weight"))).items():
+            if k.endswith("embed_tokens.weight"):
+                found.setdefault("embed", t)
+            else:
+                found["head"] = t
         if "embed" not in found:
             raise ValueError(f"target.path={path}: no *embed_tokens.weight in its safetensors")
         if "head" not in found:
@@ -361,3 +350,35 @@ class TargetHeads(_FrozenHeads):
     def forward(self, *args: Any, **kwargs: Any) -> TargetOutput:
         raise RuntimeError("this target was loaded without its decoder layers (features=cache): "
                            "its features come from the cache, not from a forward")
+
+
+def read_safetensors(path: str | Path, want) -> dict[str, torch.Tensor]:
+    """The tensors of an HF dir's safetensors whose names ``want(name)`` accepts, opening only
+    the shards that hold them when the checkpoint is sharded."""
+    import json
+
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    index = Path(path) / "model.safetensors.index.json"
+    if index.is_file():
+        wmap = json.loads(index.read_text())["weight_map"]
+        files = sorted({Path(path) / f for k, f in wmap.items() if want(k)})
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                if want(k):
+                    out[k] = st.get_tensor(k)
+    return out
+
+
+def target_layer_weights(path: str | Path, layer: int) -> dict[str, torch.Tensor]:
+    """Decoder layer ``layer`` of an HF dir as ``{name under the layer: tensor}`` (e.g.
+    ``self_attn.q_proj.weight``), plus the final norm as ``final_norm.weight``."""
+    prefix = f"layers.{int(layer)}."
+    out = {}
+    for k, t in read_safetensors(path, lambda k: prefix in k or k.endswith("model.norm.weight")
+                                 ).items():
+        out[k.split(prefix, 1)[1] if prefix in k else "final_norm.weight"] = t
+    return out

@@ -175,6 +175,10 @@ def build_specs(cfg: DictConfig, info: dict[str, Any]) -> list[DrafterSpec]:
             ids = context_layer_ids(cfg.target, L, k)
             ids = ids[: len(ids) - drop] if drop else ids
         hidden = d.pop("hidden_size", None) or info["hidden_size"]
+        init_layer = d.pop("init_from_target_layer", None)
+        if init_layer is not None and not 0 <= int(init_layer) < L:
+            raise UserError(f"drafters.{name}: drafter.init_from_target_layer={init_layer} is "
+                            f"not a layer of the target (0..{L - 1})")
         try:
             model = DFlashConfig(
                 hidden_size=int(hidden), num_target_layers=L, target_layer_ids=list(ids),
@@ -188,7 +192,7 @@ def build_specs(cfg: DictConfig, info: dict[str, Any]) -> list[DrafterSpec]:
                 noise=NoiseSpec(**sched.get("noise", {})),
                 anchors=_scaled_anchors(sched.get("anchors", {}), float(cfg.get("anchor_scale", 1.0))),
                 lr=float(opt["lr"]), weight_decay=float(opt.get("weight_decay", 0.0)),
-                grad_clip=float(opt.get("grad_clip", 1.0)),
+                grad_clip=float(opt.get("grad_clip", 1.0)), init_from_target_layer=init_layer,
             )
         )
     return specs
@@ -254,3 +258,15 @@ def build_callbacks(ccfg: DictConfig | None) -> list:
     import hydra
 
     return [hydra.utils.instantiate(c) for c in (ccfg or {}).values() if c is not None]
+
+
+def target_layer_state(tcfg: DictConfig, layer: int) -> dict[str, Any]:
+    """One decoder layer of the target (names under the layer) and its final norm
+    (``final_norm.weight``), read without loading the rest of a pretrained target."""
+    if tcfg.get("path"):
+        from dflash_lit.model.target import target_layer_weights
+
+        return target_layer_weights(str(tcfg.path), layer)
+    model = _build_random(tcfg.build)
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return {**inner.layers[layer].state_dict(), "final_norm.weight": inner.norm.weight.detach()}

@@ -21,7 +21,8 @@ from dflash_lit.train.validate import DRAFTER_OPTIM, GLOBAL_OPTIM
 SECTIONS = ("drafter", "loss", "schedule", "optim")
 # drafter.*: the DFlashConfig fields plus the layer-choice keys build_specs resolves itself.
 DRAFTER_KEYS = {**hints_of(DFlashConfig), "hidden_size": int | None,
-                "target_layer_ids": list[int] | None, "drop_last_context_layers": int}
+                "target_layer_ids": list[int] | None, "drop_last_context_layers": int,
+                "init_from_target_layer": int | None}
 for _k in ("vocab_size", "mask_token_id", "num_target_layers"):  # taken from the target
     DRAFTER_KEYS.pop(_k)
 SCHEDULE_KEYS = {"noise": hints_of(NoiseSpec), "anchors": hints_of(AnchorSpec)}

@@ -25,6 +25,7 @@ from dflash_lit.train.build import (
     build_target,
     build_target_heads,
     target_info,
+    target_layer_state,
 )
 from dflash_lit.train.checkpointing import AtomicCheckpointIO
 from dflash_lit.train.feature_cache import (
@@ -100,6 +101,16 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
         target = build_target(cfg.target, capture)
     module = DFlashModule(target, specs, module_settings(cfg, total), target_info=info,
                           train_vocab=train_vocab)
+    for s in specs:  # a checkpoint being resumed overwrites these weights, as any init
+        if s.init_from_target_layer is not None:
+            try:
+                copied = module.drafters[s.name].load_target_layer(
+                    target_layer_state(cfg.target, s.init_from_target_layer))
+            except ValueError as e:
+                raise UserError(f"drafters.{s.name}: drafter.init_from_target_layer="
+                                f"{s.init_from_target_layer}: {e}") from None
+            print(f"drafter {s.name}: {len(copied)} tensors initialised from target layer "
+                  f"{s.init_from_target_layer}")
     return module, dm, total
 
 

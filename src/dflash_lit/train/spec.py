@@ -74,6 +74,7 @@ class DrafterSpec:
     lr: float = 6e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    init_from_target_layer: int | None = None  # copy this target decoder layer into the drafter
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
