@@ -96,3 +96,31 @@ def test_cache_mode_loads_no_decoder_layers(tmp_path, data):
     batch = next(iter(dm.train_dataloader()))
     assert batch["target_hidden"].shape[-1] == 4 * 64
     assert batch["target_argmax"].shape == batch["input_ids"].shape
+
+
+def test_cache_built_in_another_dtype_is_its_own_cache(tmp_path, data):
+    """features.target_dtype=bfloat16 builds with a bf16 target (its own fingerprint, the
+    training heads stay target.dtype); its labels are the bf16 target's argmax."""
+    import json
+
+    from train_utils import compose_train
+
+    from dflash_lit.train.build import build_target
+    from dflash_lit.train.feature_cache import build_target_config
+    from dflash_lit.train.run import build_run
+
+    cfg = compose_train(_ov(tmp_path, data, "features=cache", "features.target_dtype=bfloat16"),
+                        tmp_path / "r")
+    module, dm, _ = build_run(cfg)
+    assert module.target.lm_head.weight.dtype == torch.float32  # target.dtype
+    manifests = [json.loads(p.read_text()) for p in
+                 (tmp_path / "outputs" / "features").glob("*/manifest.json")]
+    assert {m["fingerprint"]["target"]["dtype"] for m in manifests} == {"bfloat16"}
+    batch = next(iter(dm.train_dataloader()))
+    assert build_target_config(cfg).dtype == "bfloat16" and cfg.target.dtype == "float32"
+    target = build_target(build_target_config(cfg), module.capture_ids)
+    out = target(batch["input_ids"], attention_mask=batch["attention_mask"], need_logits=True)
+    am = batch["attention_mask"].bool()
+    # (the build batched these rows with other padding: bf16 sums may differ in the last bit)
+    same = (batch["target_argmax"][am] == out.logits.argmax(-1)[am]).float().mean()
+    assert same >= 0.98

@@ -75,13 +75,26 @@ def target_fingerprint(tcfg: DictConfig) -> dict[str, Any]:
     return fp
 
 
+def build_target_config(cfg: DictConfig) -> DictConfig:
+    """The target config a cache is built with: ``target``, run in ``features.target_dtype``
+    when that is set (e.g. bfloat16: 2x faster on a CPU with bf16 matmuls; its argmax labels
+    are then the bf16 target's)."""
+    dtype = cfg.features.get("target_dtype")
+    if dtype is None:
+        return cfg.target
+    tcfg = cfg.target.copy()
+    tcfg.dtype = str(dtype)
+    return tcfg
+
+
 def split_fingerprint(cfg: DictConfig, data_path: str, capture_ids: list[int],
                       topk: int, target_fp: dict[str, Any] | None = None) -> dict[str, Any]:
     """The full fingerprint of one split's cache (``target_fp``: the target's, if known)."""
     files = find_shards(data_path)
     return {
         "format": FORMAT_VERSION,
-        "target": target_fp if target_fp is not None else target_fingerprint(cfg.target),
+        "target": target_fp if target_fp is not None else target_fingerprint(
+            build_target_config(cfg)),
         "layer_ids": list(capture_ids),
         "data": {f.name: _file_digest(f) for f in files},
         "max_length": int(cfg.data.max_length),
@@ -237,7 +250,7 @@ def attach_feature_caches(cfg: DictConfig, dm, capture_ids: list[int],
     # a validation split of data.path shares its cache: build it over both parts' rows
     rows = dm.train_dataset if separate_val or not has_val else \
         _union(dm.train_dataset, dm.val_dataset)
-    target_fp = target_fingerprint(cfg.target)  # hashes the weights: once for both splits
+    target_fp = target_fingerprint(build_target_config(cfg))  # once for both splits
     stores["train"] = ensure_cache(cfg, rows, cfg.data.path, "data.path", capture_ids, topk,
                                    once, target_fp)
     dm.train_dataset.features = stores["train"]

@@ -30,6 +30,7 @@ from dflash_lit.train.build import (
 from dflash_lit.train.checkpointing import AtomicCheckpointIO
 from dflash_lit.train.feature_cache import (
     attach_feature_caches,
+    build_target_config,
     cache_needs_distribution,
     check_features_config,
 )
@@ -95,7 +96,7 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
     if check_features_config(cfg.features) == "cache":
         need_dist = cache_needs_distribution({s.name: build_loss(**s.loss) for s in specs})
         attach_feature_caches(cfg, dm, capture, need_dist,
-                              lambda: build_target(cfg.target, capture))
+                              lambda: build_target(build_target_config(cfg), capture))
         target = build_target_heads(cfg.target, capture)  # decoder layers never loaded
     else:
         target = build_target(cfg.target, capture)
