@@ -110,7 +110,9 @@ def test_experiments_compose_and_run(tmp_path, data, exp):
         assert cfg.drafter.drop_last_context_layers == 1
     assert cfg.optim.name == ("muon" if exp == "v6_muon" else "adamw")
     if exp == "v4_5layer":
-        assert cfg.drafter.drop_last_context_layers == 0 and cfg.loss.name == "composite"
+        assert cfg.drafter.drop_last_context_layers == 0
+        assert (cfg.loss.name, cfg.loss.divergence, cfg.loss.div_weight) == ("distill",
+                                                                           "forward_kl", 0.7)
         assert cfg.schedule.noise.peak == 0.01  # (anchors.max=1024 is overridden by the test)
 
 
