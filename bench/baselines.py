@@ -44,15 +44,20 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=16, help="DDTree / hybrid node budget")
     ap.add_argument("--name", default=None, help="result name (default baselines_<prompts>)")
     ap.add_argument("--eval-overrides", nargs="*", default=[], help="extra evaluate.py overrides")
+    ap.add_argument("--methods", default=METHODS, help=f"evaluate.py methods (default {METHODS})")
+    ap.add_argument("--no-latest-rule", action="store_true",
+                    help="skip the second run, n-gram with the 'latest occurrence' rule")
     args = ap.parse_args()
     name = args.name or f"baselines_{args.prompts}"
     work = REPO / "outputs" / "bench" / name
     common = (args.ckpt, args.prompts, args.limit, args.max_new_tokens, args.budget)
-    rep = evaluate(work / "all", *common, [f"methods={METHODS}", *args.eval_overrides])
-    old = evaluate(work / "ngram_latest", *common,
-                   ["methods=[ngram,baseline]", "ngram.rule=latest", *args.eval_overrides])
-    methods = dict(rep["methods"])
-    methods["ngram (latest rule)"] = old["methods"]["ngram"]
+    rep = evaluate(work / "all", *common, [f"methods={args.methods}", *args.eval_overrides])
+    methods, lossless = dict(rep["methods"]), rep["lossless"]
+    if not args.no_latest_rule:
+        old = evaluate(work / "ngram_latest", *common,
+                       ["methods=[ngram,baseline]", "ngram.rule=latest", *args.eval_overrides])
+        methods["ngram (latest rule)"] = old["methods"]["ngram"]
+        lossless = lossless and old["lossless"]
     best = rep["best_model_free"]
     ref = methods[best]
     rows = []
@@ -64,7 +69,6 @@ def main() -> None:
         rows.append({"method": k, "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
                      "speedup": m["speedup"], "tau_vs_best": m["tau"] / ref["tau"],
                      "tps_vs_best": m["tokens_per_s"] / ref["tokens_per_s"]})
-    lossless = rep["lossless"] and old["lossless"]
     table = fmt_table(rows) + (
         f"\n\n{args.prompts}, first {args.limit} prompts x {args.max_new_tokens} tokens, "
         f"budget {args.budget}, lossless={lossless}; strongest model-free method (tokens/s): "
