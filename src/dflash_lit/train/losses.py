@@ -350,7 +350,8 @@ class DrafterLoss:
     def missing_target(self) -> tuple[str, str, str]:
         """(config value, what to do instead, why) for the error when target logits are
         missing though ``needs_target_distribution``."""
-        return (f"loss.name={type(self).__name__}", "use loss.name=hard_ce", "")
+        name = next((k for k, v in LOSSES.items() if v is type(self)), type(self).__name__)
+        return (f"loss.name={name}", "use loss.name=hard_ce", "")
 
     # ---- per slot
     def row_loss(self, z: Tensor, y: Tensor, target: Tensor | None
@@ -383,7 +384,7 @@ class DrafterLoss:
         rows, ce, div = self.row_loss(
             logits[valid].float(), labels[valid],
             None if target is None else target[valid].detach().float())
-        w, den = self.slot_weights(ce, valid)
+        w, den = self.slot_weights(ce.detach(), valid)
         return LossOutput(
             loss=(w * rows).sum() / den.clamp_min(_TINY),
             per_slot_ce=scatter_slots(ce, valid),
