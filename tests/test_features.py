@@ -124,3 +124,10 @@ def test_cache_built_in_another_dtype_is_its_own_cache(tmp_path, data):
     # (the build batched these rows with other padding: bf16 sums may differ in the last bit)
     same = (batch["target_argmax"][am] == out.logits.argmax(-1)[am]).float().mean()
     assert same >= 0.98
+    # the stored features are the bf16 target's, not the float32 one's rounded to bf16
+    fp32 = build_target(cfg.target, module.capture_ids)(
+        batch["input_ids"], attention_mask=batch["attention_mask"]).hidden
+    cached = batch["target_hidden"][am].float()
+    err_bf16 = (cached - out.hidden[am].float()).abs().mean()
+    err_fp32 = (cached - fp32[am].float()).abs().mean()
+    assert err_bf16 < err_fp32 / 4

@@ -56,7 +56,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     """``Σ_i w_i · loss_i(h_i @ W.T)``, gradient only w.r.t. ``h`` (W is frozen).
 
     ``terms`` computes a chunk's ``RowTerms``; ``weigh`` maps the detached CE of every row
-    [M] to the normalised weights [M]. Returns (loss, CE [M], divergence [M] (empty without
+    [M] to the normalised weights [M]. Returns (loss, CE [M], divergence [M] (0 without
     one), argmax [M])."""
 
     @staticmethod
@@ -66,9 +66,8 @@ class _FusedHeadLoss(torch.autograd.Function):
         m, dev = hidden.shape[0], hidden.device
         rows = torch.empty(m, dtype=torch.float32, device=dev)
         ce = torch.empty(m, dtype=torch.float32, device=dev)
-        div = torch.empty(m, dtype=torch.float32, device=dev)
+        div = torch.zeros(m, dtype=torch.float32, device=dev)  # stays 0 without a divergence
         pred = torch.empty(m, dtype=torch.long, device=dev)
-        has_div = False
         grad = torch.empty_like(hidden)
         wc = weight.to(compute_dtype)
         # dtypes are set here, not by an enclosing autocast (which would run the losses'
@@ -86,12 +85,11 @@ class _FusedHeadLoss(torch.autograd.Function):
                 t = terms(HeadChunk(z, y, top, z.gather(1, y[:, None]).squeeze(1), tgt))
                 rows[s:e], ce[s:e] = t.loss, t.ce
                 if t.div is not None:
-                    div[s:e], has_div = t.div, True
+                    div[s:e] = t.div
                 grad[s:e] = (t.grad.to(compute_dtype) @ wc).to(hidden.dtype)
         w = weigh(ce).float()
         grad.mul_(w[:, None].to(grad.dtype))
         ctx.save_for_backward(grad)
-        div = div if has_div else div[:0]
         ctx.mark_non_differentiable(ce, div, pred)
         return (w * rows).sum(), ce, div, pred
 
@@ -152,10 +150,10 @@ def fused_head_loss(
         int(chunk_rows), compute_dtype or hidden.dtype)
     pred = torch.full(valid.shape, IGNORE, dtype=torch.long, device=ce.device)
     pred[valid] = pred_v
-    has_div = div.numel() > 0 or (ce.numel() == 0 and loss.needs_target_distribution)
     out = LossOutput(loss=value, per_slot_ce=scatter_slots(ce, valid),
                      weight_sum=den["d"].detach(), n_valid=valid.sum(),
-                     per_slot_kl=scatter_slots(div, valid) if has_div else None)
+                     per_slot_kl=scatter_slots(div, valid) if loss.needs_target_distribution
+                     else None)
     return out, pred
 
 

@@ -54,7 +54,7 @@ from torch import Tensor
 from dflash_lit.config_types import hints_of
 from dflash_lit.errors import UserError
 from dflash_lit.model.layout import IGNORE
-from dflash_lit.train.divergences import DIVERGENCE_REGISTRY, get_divergence
+from dflash_lit.train.divergences import get_divergence
 from dflash_lit.train.row_terms import (
     HeadChunk,
     RowTerms,
@@ -65,8 +65,6 @@ from dflash_lit.train.row_terms import (
 
 LabelSource = Literal["data", "target_argmax"]
 _LABEL_SOURCES: tuple[str, ...] = ("data", "target_argmax")
-Divergence = Literal["forward_kl", "reverse_kl", "jsd", "tv"]  # the built-in ones
-DIVERGENCES: tuple[str, ...] = tuple(DIVERGENCE_REGISTRY)
 Normalize = Literal["weights", "slots"]
 _NORMALIZE: tuple[str, ...] = ("weights", "slots")
 _TINY = torch.finfo(torch.float32).tiny
