@@ -123,3 +123,19 @@ def test_a_drafter_dir_with_a_malformed_config_is_one_line(tmp_path):
     run = f"hydra.run.dir={tmp_path / 'run'}"
     assert_one_line_error(run_entry("export.py", [f"ckpt={d}", f"out={tmp_path / 'o'}", run], tmp_path),
                           rf"^error: {d / 'config.json'}: not a DFlash drafter config \(")
+
+
+def test_evaluate_draft_vocab_needs_a_recorded_training_vocab(tmp_path):
+    """draft_vocab=true on a drafter without recorded train_vocab ids (a z-lab directory) is one
+    line naming the key and the fix, before the target loads."""
+    from dflash_lit import DFlashConfig, DFlashDrafter
+
+    cfg = DFlashConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=48, num_hidden_layers=1, block_size=4, mask_token_id=3,
+                       num_target_layers=4, target_layer_ids=[0, 2], vocab_size=128)
+    d = DFlashDrafter(cfg).save_pretrained(tmp_path / "drafter")
+    run = f"hydra.run.dir={tmp_path / 'run'}"
+    assert_one_line_error(
+        run_entry("evaluate.py", [f"ckpt={d}", "draft_vocab=true", f"target={tmp_path / 'none'}",
+                                  "prompts=tiny_heldout", run], tmp_path),
+        rf"^error: draft_vocab=true: {d} records no training vocabulary .*set draft_vocab=false$")

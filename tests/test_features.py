@@ -69,6 +69,21 @@ def test_stale_cache_is_refused_before_training(tmp_path, data):
         assert not (tmp_path / f"stale_{what}" / "checkpoints").exists()
 
 
+def test_a_cache_missing_rows_the_run_keeps_is_refused_before_training(tmp_path, data):
+    """The row filter (data.min_completion_tokens) is not in the fingerprint: a run keeping
+    rows the build dropped gets a one-line error naming the key, not a failure mid-epoch."""
+    fixed = tmp_path / "fixed_cache"
+    run_train(_ov(tmp_path, data, "features=cache", f"features.path={fixed}",
+                  "data.min_completion_tokens=70", "trainer.max_steps=1"), tmp_path / "first")
+    kept = len(FeatureStore(fixed / "train"))
+    assert 0 < kept < 24
+    with pytest.raises((FeatureCacheError, UserError), match=rf"holds no features for {24 - kept} of the 24 "
+                       r"rows .*set data.min_completion_tokens"):
+        run_train(_ov(tmp_path, data, "features=cache", f"features.path={fixed}"),
+                  tmp_path / "more_rows")
+    assert not (tmp_path / "more_rows" / "checkpoints").exists()
+
+
 def test_resume_from_cache_is_exact(tmp_path, data):
     ov = _ov(tmp_path, data, "features=cache", "trainer.max_steps=7",
              "callbacks.model_checkpoint.every_n_train_steps=3")

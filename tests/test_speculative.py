@@ -128,6 +128,38 @@ def test_lossless_random_drafter(target, drafter, prompts, method):
             index.end_sequence()
 
 
+def test_draft_vocab_restricts_the_head_and_stays_lossless(target, drafter, prompts):
+    """A draft vocabulary gives the full head's logits on its ids and -inf elsewhere (so the
+    whole vocab as draft vocab changes nothing), and every drafter method stays lossless."""
+    from dflash_lit.eval.speculative import DFlashProposer
+    from dflash_lit.eval.target_runner import TargetRunner
+
+    runner = TargetRunner(target, list(drafter.config.target_layer_ids))
+    p = prompts[2]
+    hidden = runner.forward(p, torch.arange(len(p))).hidden
+    ids = torch.tensor([4, 9, 17, 40, 77, 95])
+    logits = {}
+    for name, vocab in (("full", None), ("all", torch.arange(V)), ("some", ids)):
+        prop = DFlashProposer(drafter, runner.embed_tokens, runner.lm_head, draft_vocab=vocab)
+        prop.observe(hidden[:, :-1])
+        logits[name] = prop.draft_logits(p)
+    assert torch.equal(logits["all"], logits["full"])
+    torch.testing.assert_close(logits["some"][:, ids], logits["full"][:, ids])
+    rest = torch.ones(V, dtype=torch.bool)
+    rest[ids] = False
+    assert torch.isneginf(logits["some"][:, rest]).all()
+    with pytest.raises(ValueError, match="draft_vocab"):
+        DFlashProposer(drafter, runner.embed_tokens, runner.lm_head, draft_vocab=torch.tensor([V]))
+    for q in prompts:
+        ref = target_greedy(target, q, 23).tokens
+        runs = [chain_generate(target, drafter, q, 23, draft_vocab=ids),
+                tree_generate(target, drafter, q, 23, budget=6, draft_vocab=ids),
+                hybrid_generate(target, drafter, q, 23, budget=6, merge=True, depth=8,
+                                draft_vocab=ids)]
+        for r in runs:
+            assert r.tokens == ref, (r.method, first_mismatch(r.tokens, ref))
+
+
 def test_perfect_drafter_chain_tau_is_block_size(target, prompts):
     for p in prompts:
         r = chain_generate(target, Oracle(target), p, 23)

@@ -340,6 +340,12 @@ def test_train_vocab_reduces_the_training_softmax_only(tmp_path, data):
               for n, m in runs.items()}
     assert losses["all"] == losses["full"]
     assert losses["small"][0] < losses["full"][0]
+    # the checkpoint records the ids (evaluate.py draft_vocab=true drafts over them)
+    small = torch.load(tmp_path / "small" / "checkpoints" / "last.ckpt", weights_only=True)
+    ids = small["dflash"]["train_vocab"]
+    assert len(ids) == 32 and ids == sorted(set(ids)) and max(ids) < vocab
+    full = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert full["dflash"]["train_vocab"] is None
     with pytest.raises(UserError, match="train_vocab"):
         run_train(ov + ["train_vocab=32", "loss=composite"], tmp_path / "bad")
 

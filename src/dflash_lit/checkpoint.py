@@ -13,7 +13,8 @@ A training checkpoint is a Lightning checkpoint (written atomically by
      "drafters": {name: {"config": DFlashConfig.to_dict(), "loss": {...}}},
      "target": {"path" | "build", "layer_ids", "hidden_size", "num_layers", "vocab_size"},
      "optimizer": "adamw" | "muon",
-     "nonfinite_total": int, "tokens_seen": int, "nonfinite_in_row": int}
+     "nonfinite_total": int, "tokens_seen": int, "nonfinite_in_row": int,
+     "train_vocab": [int, ...] | None}   # ids of the reduced training softmax (train_vocab)
 
 Every reader loads with :func:`safe_load` (``weights_only=True``): a checkpoint file never runs
 code. Training writes it (``DFlashModule.on_save_checkpoint``) and refuses to resume from one made by
@@ -52,14 +53,17 @@ _TARGET_FIELDS = ("hidden_size", "num_layers", "vocab_size")
 
 
 def make_meta(drafters: dict[str, tuple[dict[str, Any], dict[str, Any]]],
-              target: dict[str, Any], optimizer: str = "adamw", **counters: int) -> dict[str, Any]:
+              target: dict[str, Any], optimizer: str = "adamw",
+              train_vocab: list[int] | None = None, **counters: int) -> dict[str, Any]:
     """The ``dflash`` entry: ``drafters`` maps name -> (DFlashConfig dict, loss settings);
-    ``optimizer`` is ``optim.name`` (its state's layout differs between adamw and muon)."""
+    ``optimizer`` is ``optim.name`` (its state's layout differs between adamw and muon);
+    ``train_vocab`` the reduced training softmax's ids, which evaluation can draft over."""
     return {
         "version": CKPT_VERSION,
         "drafters": {n: {"config": dict(c), "loss": dict(loss)} for n, (c, loss) in drafters.items()},
         "target": dict(target),
         "optimizer": optimizer,
+        "train_vocab": None if train_vocab is None else [int(i) for i in train_vocab],
         **{k: int(v) for k, v in counters.items()},
     }
 

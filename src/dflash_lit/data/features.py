@@ -174,6 +174,10 @@ class FeatureStore:
         offsets, values = self._cols[b][col]
         return values[offsets[j]: offsets[j + 1]]
 
+    def uncovered(self, rows, lengths) -> list[int]:
+        """The data rows among ``rows`` (with ``lengths`` tokens each) the cache cannot serve."""
+        return [int(r) for r, n in zip(rows, lengths) if self._lengths.get(int(r), -1) < int(n)]
+
     def hidden(self, row: int, length: int) -> np.ndarray:
         """[length, F] stored features of ``row`` (bf16 as uint16 bits, or fp32)."""
         have = self._lengths.get(row, -1)

@@ -18,7 +18,7 @@ from dflash_lit.data.render import PromptRenderer, resolve_chat
 from dflash_lit.data.vocab import check_tokenizer_fits, tokenizer_fingerprint
 from dflash_lit.dtypes import parse_dtype
 from dflash_lit.errors import UserError, input_checks
-from dflash_lit.eval.loading import load_drafter
+from dflash_lit.eval.loading import DrafterInfo, load_drafter
 from dflash_lit.eval.prompts import load_prompts
 from dflash_lit.eval.report import (
     EvalSettings,
@@ -109,6 +109,19 @@ def make_renderer(cfg: DictConfig, tokenizer: Any, where: str) -> PromptRenderer
                           kwargs)
 
 
+def draft_vocab_for(cfg: DictConfig, info: DrafterInfo) -> torch.Tensor | None:
+    """The ids the drafter drafts over: its checkpoint's training vocab with ``draft_vocab=true``."""
+    if not cfg.get("draft_vocab"):
+        return None
+    if not info.train_vocab:
+        raise UserError(
+            f"draft_vocab=true: {info.path} records no training vocabulary (it was trained with "
+            "train_vocab=null, before checkpoints recorded it, or it is a z-lab directory); "
+            "set draft_vocab=false"
+        )
+    return torch.tensor(info.train_vocab, dtype=torch.long)
+
+
 def evaluate(cfg: DictConfig, out_dir: str | Path) -> int:
     """Evaluate per ``cfg``; write outputs to ``out_dir``; return the exit status."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -121,6 +134,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> int:
     with input_checks():  # the files the user named: drafter, target, tokenizer
         drafter, info = load_drafter(cfg.ckpt, cfg.drafter, dtype=dtype, device=device,
                                      trust=cfg.trust_checkpoint)
+        vocab = draft_vocab_for(cfg, info)
         target_path = resolve_target_path(cfg, info.target)
         log.info("drafter %s (%s), target %s, %d prompts", info.name or info.path, info.source,
                  target_path, len(prompts))
@@ -141,7 +155,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> int:
         log.warning("target %s differs from the one recorded at training (recorded, actual): %s",
                     target_path, diff)
     eos = eos_ids_for(cfg, tokenizer, model)
-    report = run_evaluation(model, drafter, encoded, settings, eos, progress=bool(cfg.progress))
+    report = run_evaluation(model, drafter, encoded, settings, eos, progress=bool(cfg.progress),
+                            draft_vocab=vocab)
     report["drafter"] = info.to_dict()
     report["target"] = {"path": target_path, **dims, "eos_ids": eos,
                         "dtype": str(dtype).removeprefix("torch."), "device": str(device)}

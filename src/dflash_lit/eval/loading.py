@@ -29,12 +29,14 @@ class DrafterInfo:
     available: list[str] = field(default_factory=list)  # all drafter names in the checkpoint
     target: dict[str, Any] = field(default_factory=dict)  # ckpt["dflash"]["target"], {} for z-lab
     global_step: int | None = None
+    train_vocab: list[int] | None = None  # ids of the reduced training softmax, when recorded
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source, "path": self.path, "name": self.name,
             "available": list(self.available), "target": dict(self.target),
             "global_step": self.global_step,
+            "train_vocab_size": None if self.train_vocab is None else len(self.train_vocab),
         }
 
 
@@ -96,6 +98,7 @@ def load_drafter(
     info = DrafterInfo(
         source="ckpt", path=str(p), name=chosen, available=names,
         target=dict(meta.get("target") or {}), global_step=ckpt.get("global_step"),
+        train_vocab=meta.get("train_vocab"),
     )
     return drafter.eval(), info
 

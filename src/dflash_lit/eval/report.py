@@ -102,10 +102,13 @@ class EvalSettings:
 
 
 def _run_method(key, target, drafter, ids, s: EvalSettings, eos, bs, max_new,
-                index: SuffixIndex | None = None) -> GenerationResult:
-    """One method on one prompt; ``index``: the suffix methods' global index of earlier outputs."""
+                index: SuffixIndex | None = None,
+                vocab: torch.Tensor | None = None) -> GenerationResult:
+    """One method on one prompt; ``index``: the suffix methods' global index of earlier outputs;
+    ``vocab``: the drafter's draft vocabulary (None: the full vocab)."""
     if key == "chain":
-        return chain_generate(target, drafter, ids, max_new, eos, block_size=s.block_size)
+        return chain_generate(target, drafter, ids, max_new, eos, block_size=s.block_size,
+                              draft_vocab=vocab)
     if key == "ngram":
         return ngram_generate(target, ids, max_new, eos, block_size=bs,
                               n_max=s.ngram_n_max, n_min=s.ngram_n_min, rule=s.ngram_rule)
@@ -116,10 +119,10 @@ def _run_method(key, target, drafter, ids, s: EvalSettings, eos, bs, max_new,
     method, budget = key.rsplit("_b", 1)
     if method == "tree":
         return tree_generate(target, drafter, ids, max_new, int(budget), eos,
-                             block_size=s.block_size, top_k=s.tree_top_k)
+                             block_size=s.block_size, top_k=s.tree_top_k, draft_vocab=vocab)
     return hybrid_generate(target, drafter, ids, max_new, int(budget), eos,
                            block_size=s.block_size, top_k=s.tree_top_k, merge=method == "merged",
-                           **suffix)
+                           draft_vocab=vocab, **suffix)
 
 
 def run_evaluation(
@@ -129,8 +132,10 @@ def run_evaluation(
     settings: EvalSettings,
     eos_ids: Sequence[int] = (),
     progress: bool = True,
+    draft_vocab: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``drafter`` on ``prompts`` [(id, token ids)]; returns the report dict.
+    ``draft_vocab``: token ids the drafter's methods draft over (None: the full vocab).
 
     Never raises on a losslessness failure: the report's ``lossless`` / ``mismatches`` say it
     (``check_lossless`` raises), so the caller can write the report first.
@@ -143,7 +148,8 @@ def run_evaluation(
         ids = prompts[0][1]
         target_greedy(target, ids, min(8, settings.max_new_tokens), eos)
         for k in keys:
-            _run_method(k, target, drafter, ids, settings, eos, bs, min(8, settings.max_new_tokens))
+            _run_method(k, target, drafter, ids, settings, eos, bs, min(8, settings.max_new_tokens),
+                        vocab=draft_vocab)
     results: dict[str, list[GenerationResult]] = {k: [] for k in ["baseline", *keys]}
     # suffix methods also draft from the outputs already served (a global cache), per method
     indexes = {k: SuffixIndex(settings.suffix_depth) for k in keys if k.startswith(SUFFIX_KEYS)}
@@ -162,7 +168,7 @@ def run_evaluation(
         row: dict[str, Any] = {"id": pid, "prompt_tokens": len(ids), "generated_tokens": len(ref.tokens)}
         for k in keys:
             r = _run_method(k, target, drafter, ids, settings, eos, bs, settings.max_new_tokens,
-                            indexes.get(k))
+                            indexes.get(k), draft_vocab)
             results[k].append(r)
             row[k] = r.acceptance_lengths
             pos = first_mismatch(r.tokens, ref.tokens)
@@ -190,6 +196,7 @@ def run_evaluation(
         "per_prompt": per_prompt,
         "wall_time_s": wall,
         "settings": asdict(settings),
+        "draft_vocab": None if draft_vocab is None else len(draft_vocab),
     }
     m = report["methods"]
     report["tau_chain"] = m["chain"]["tau"] if "chain" in m else None

@@ -131,6 +131,9 @@ class DFlashProposer:
 
     Keeps committed context K/V in a ``DrafterCache``; each draft feeds only the features of
     tokens committed since the previous draft. ``block_size`` may override the trained one.
+    ``draft_vocab`` (sorted token ids) restricts the head to those rows of the lm_head, as
+    EAGLE-3's draft vocabulary does: logits of every other id are -inf, so they are never
+    drafted, and the head's matmul shrinks by vocab / len(draft_vocab).
     """
 
     def __init__(
@@ -139,10 +142,20 @@ class DFlashProposer:
         embed_tokens: nn.Module,
         lm_head: nn.Module,
         block_size: int | None = None,
+        draft_vocab: Tensor | None = None,
     ) -> None:
         self.drafter = drafter.eval()
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
+        self.vocab_size = int(lm_head.weight.shape[0])
+        self.draft_ids = None if draft_vocab is None else draft_vocab.to(lm_head.weight.device)
+        if self.draft_ids is not None:
+            ids = self.draft_ids
+            if ids.ndim != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+                raise ValueError(f"draft_vocab: {len(ids)} ids must lie in [0, {self.vocab_size})")
+            self.draft_weight = lm_head.weight.detach()[ids].contiguous()
+            bias = getattr(lm_head, "bias", None)
+            self.draft_bias = None if bias is None else bias.detach()[ids]
         bs = int(block_size or drafter.config.block_size)
         if bs < 2:
             raise ValueError(f"block_size={bs}: a block needs the anchor plus >= 1 drafted slot")
@@ -188,14 +201,20 @@ class DFlashProposer:
         )
         self._pending = []
         w = self.lm_head.weight
-        return self.lm_head(h[0, 1:].to(device=w.device, dtype=w.dtype)).float()
+        h = h[0, 1:].to(device=w.device, dtype=w.dtype)
+        if self.draft_ids is None:
+            return self.lm_head(h).float()
+        sub = F.linear(h, self.draft_weight, self.draft_bias).float()
+        out = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.draft_ids, sub)
 
 
 def as_proposer(
-    drafter: DFlashDrafter | BlockProposer, runner: TargetRunner, block_size: int | None
+    drafter: DFlashDrafter | BlockProposer, runner: TargetRunner, block_size: int | None,
+    draft_vocab: Tensor | None = None,
 ) -> BlockProposer:
     if isinstance(drafter, DFlashDrafter):
-        return DFlashProposer(drafter, runner.embed_tokens, runner.lm_head, block_size)
+        return DFlashProposer(drafter, runner.embed_tokens, runner.lm_head, block_size, draft_vocab)
     if not isinstance(drafter, BlockProposer):
         raise TypeError(
             f"drafter must be a DFlashDrafter or implement BlockProposer, got {type(drafter).__name__}"
@@ -378,10 +397,12 @@ def chain_generate(
     max_new_tokens: int,
     eos_ids: int | Iterable[int] | None = None,
     block_size: int | None = None,
+    draft_vocab: Tensor | None = None,
 ) -> GenerationResult:
-    """Speculative decoding with chain verification of the drafter's per-slot argmax."""
+    """Speculative decoding with chain verification of the drafter's per-slot argmax
+    (over ``draft_vocab`` when given: ``DFlashProposer``)."""
     _check_max_new(max_new_tokens)
-    proposer, runner = _setup(target, drafter, block_size)
+    proposer, runner = _setup(target, drafter, block_size, draft_vocab)
     slots = proposer.block_size - 1
 
     def step(st: _Decode) -> None:
@@ -431,6 +452,7 @@ def tree_generate(
     eos_ids: int | Iterable[int] | None = None,
     block_size: int | None = None,
     top_k: int | None = None,
+    draft_vocab: Tensor | None = None,
 ) -> GenerationResult:
     """Speculative decoding with DDTree verification (``budget`` nodes, root excluded).
 
@@ -442,7 +464,7 @@ def tree_generate(
     _check_max_new(max_new_tokens)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"tree budget={budget!r}: the node budget (root excluded) must be an int >= 1")
-    proposer, runner = _setup(target, drafter, block_size)
+    proposer, runner = _setup(target, drafter, block_size, draft_vocab)
     if runner.attn_implementation not in MASK_CAPABLE_ATTN:
         raise ValueError(
             f"tree verification passes a custom 4D mask, which attn_implementation="
@@ -561,6 +583,7 @@ def hybrid_generate(
     merge: bool = False,
     depth: int = 32,
     min_prob: float = 0.1,
+    draft_vocab: Tensor | None = None,
 ) -> GenerationResult:
     """Drafter + suffix decoding as a serving engine runs them, ``budget`` nodes per step.
 
@@ -571,7 +594,7 @@ def hybrid_generate(
     DDTree and suffix tree merged into one tree of ``budget`` nodes every step.
     """
     _check_max_new(max_new_tokens)
-    proposer, runner = _setup(target, drafter, block_size)
+    proposer, runner = _setup(target, drafter, block_size, draft_vocab)
     slots = proposer.block_size - 1
     local = SuffixIndex(depth)
     indexes = [local] + ([global_index] if global_index is not None else [])
@@ -605,7 +628,8 @@ def hybrid_generate(
 
 
 def _setup(
-    target: nn.Module, drafter: DFlashDrafter | BlockProposer, block_size: int | None
+    target: nn.Module, drafter: DFlashDrafter | BlockProposer, block_size: int | None,
+    draft_vocab: Tensor | None = None,
 ) -> tuple[BlockProposer, TargetRunner]:
     base = target.model if isinstance(target, TargetRunner) else target
     layer_ids = (
@@ -613,7 +637,7 @@ def _setup(
         else getattr(drafter, "layer_ids", None)
     )
     runner = TargetRunner(base, layer_ids)
-    proposer = as_proposer(drafter, runner, block_size)
+    proposer = as_proposer(drafter, runner, block_size, draft_vocab)
     if block_size is not None and not isinstance(drafter, DFlashDrafter):
         if proposer.block_size != block_size:
             raise ValueError(

@@ -175,11 +175,27 @@ def ensure_cache(cfg: DictConfig, dataset, data_path: str, what: str, capture_id
                     f"feature cache {out} (for {what}) was made from other inputs: {diff} "
                     "differ; delete it, point features.path elsewhere, or drop features.path "
                     "to get a cache per fingerprint")
-            return FeatureStore(out)
+            store = FeatureStore(out)
+            _check_covers(store, dataset, out, what)
+            return store
         if out.exists():  # a build killed part-way: nothing in it is trusted
             shutil.rmtree(out)
         build_cache(load_target(), dataset, out, fp, int(fcfg.batch_tokens), topk, what)
     return FeatureStore(out)
+
+
+def _check_covers(store: FeatureStore, dataset, out: Path, what: str) -> None:
+    """Refuse, before training, a cache that lacks rows this run keeps: the length policy's
+    row filter (``data.min_completion_tokens``, 2 × block_size when null) is not part of the
+    fingerprint, so a run that keeps more rows than the build did finds them missing."""
+    missing = store.uncovered(dataset.rows, dataset.lengths)
+    if missing:
+        raise FeatureCacheError(
+            f"feature cache {out} (for {what}) holds no features for {len(missing)} of the "
+            f"{len(dataset)} rows this run keeps (e.g. data row {missing[0]}): it was built "
+            "for a run that dropped them (data.min_completion_tokens defaults to 2 x "
+            "drafter.block_size); set data.min_completion_tokens to the build's value (32 for "
+            "block_size 16) or delete the cache to rebuild")
 
 
 def build_cache(target, dataset, out: Path, fp: dict[str, Any], batch_tokens: int, topk: int,

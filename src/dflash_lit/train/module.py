@@ -127,7 +127,8 @@ class DFlashModule(L.LightningModule):
         self.head_dtype = settings.head_dtype
         self.loss_chunk_rows = int(settings.loss_chunk_rows)
         # training softmax of the fused losses over these ids ∪ each batch's labels (None =
-        # the full vocab); validation and drafting always use the full vocab
+        # the full vocab); validation uses the full vocab, evaluation may draft over these ids
+        # (recorded in checkpoint["dflash"]["train_vocab"])
         if train_vocab is not None:
             dist = [n for n, lo in self.losses.items()
                     if lo.needs_target_distribution or not lo.fused]
@@ -135,7 +136,7 @@ class DFlashModule(L.LightningModule):
                 raise ValueError(f"train_vocab: drafters {dist} use a loss that needs the full "
                                  "distribution (only hard-label losses such as hard_ce and "
                                  "dpace run on a reduced vocab); set train_vocab=null")
-        # derived from the data at every start: follows the module's device, never saved
+        # derived from the data at every start: follows the module's device, not a state_dict entry
         self.register_buffer("train_vocab", train_vocab, persistent=False)
         bs = {s.name: s.model.block_size for s in specs}
         self.train_metrics = nn.ModuleDict({n: DrafterMetrics(bs[n]) for n in names})
@@ -463,7 +464,9 @@ class DFlashModule(L.LightningModule):
         """This run's ``checkpoint["dflash"]`` entry (``dflash_lit/checkpoint.py``)."""
         return ckpt_contract.make_meta(
             {n: (s.model.to_dict(), s.loss) for n, s in self.specs.items()}, self.target_info,
-            optimizer="adamw" if self.muon is None else "muon", nonfinite_total=self.nonfinite_total, tokens_seen=self.tokens_seen,
+            optimizer="adamw" if self.muon is None else "muon",
+            train_vocab=None if self.train_vocab is None else self.train_vocab.tolist(),
+            nonfinite_total=self.nonfinite_total, tokens_seen=self.tokens_seen,
             nonfinite_in_row=self.nonfinite_in_row,
         )
 
