@@ -50,8 +50,9 @@ def parse_probe(text: str) -> tuple[str, list[str]]:
     return name, [o for o in out + [cur] if o]
 
 
-def curve(run_dir: Path) -> tuple[list[dict], float | None]:
-    """Validation rows [{step, acc, slot1, streak, loss}] and the last logged train loss."""
+def curve(run_dir: Path) -> tuple[list[dict], float | None, float | None]:
+    """Validation rows [{step, acc, slot1, streak, loss}], the last logged train loss and the
+    median optimizer-step seconds (the run's own ``perf/step_s``)."""
     df, _ = read_metrics_csv(run_dir / "csv" / "metrics.csv")
     cols = {k: f"val/main/{c}" for k, c in KEYS.items()}
     rows = []
@@ -60,7 +61,9 @@ def curve(run_dir: Path) -> tuple[list[dict], float | None]:
         rows = [{"step": int(r["step"]), **{k: float(r[c]) for k, c in cols.items() if c in df}}
                 for _, r in val.iterrows()]
     train = df["train/main/loss"].dropna() if "train/main/loss" in df else []
-    return rows, (float(train.tail(50).mean()) if len(train) else None)
+    step_s = df["perf/step_s"].dropna() if "perf/step_s" in df else []
+    return (rows, float(train.tail(50).mean()) if len(train) else None,
+            float(step_s.median()) if len(step_s) else None)
 
 
 def main() -> None:
@@ -83,25 +86,29 @@ def main() -> None:
                "trainer.check_val_every_n_epoch=null", "~callbacks.real_tau", "logger=csv",
                f"run_name=probe_{name}", f"hydra.run.dir={run_dir}"]
         print("+", " ".join(cmd), flush=True)
-        t0 = time.perf_counter()
+        wall = None
         if not (run_dir / "csv" / "metrics.csv").is_file():
+            t0 = time.perf_counter()
             subprocess.run(cmd, check=True, cwd=REPO)
-        wall = time.perf_counter() - t0
-        rows, train_loss = curve(run_dir)
+            wall = round(time.perf_counter() - t0, 1)
+        rows, train_loss, step_s = curve(run_dir)
         last = rows[-1] if rows else {}
         results.append({"probe": name, "overrides": overrides, "steps": args.steps,
-                        "wall_s": round(wall, 1), "train_loss": train_loss, "curve": rows,
-                        **{f"val_{k}": last.get(k) for k in KEYS}})
+                        "wall_s": wall, "step_s": step_s, "train_loss": train_loss,
+                        "curve": rows, **{f"val_{k}": last.get(k) for k in KEYS}})
     base = results[0]
     for r in results:
         r["slot1_vs_first"] = (r["val_slot1"] / base["val_slot1"]
                                if r["val_slot1"] and base["val_slot1"] else None)
+        r["step_s_vs_first"] = (r["step_s"] / base["step_s"]
+                                if r["step_s"] and base["step_s"] else None)
     table = fmt_table(results, ["probe", "overrides", "steps", "val_acc", "val_slot1",
                                 "val_streak", "val_loss", "train_loss", "slot1_vs_first",
-                                "wall_s"])
+                                "step_s", "step_s_vs_first"])
     table += (f"\n\nbase: {' '.join(args.base)}; validation every {args.val_every} steps "
               "(the data's val split), no real tau; one feature cache for all probes. "
-              "Wall time includes the cache build in the first probe that needs it.\n")
+              "step_s: the median optimizer step of the probe's own CSV (probes run one after "
+              "another; a probe read back from an earlier run keeps its own figures).\n")
     write_result(f"recipe_probes_{args.tag}", {"probes": results, "base": args.base}, table)
 
 

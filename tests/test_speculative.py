@@ -13,6 +13,7 @@ from dflash_lit.eval.model_free import SuffixIndex
 from dflash_lit.eval.offline import offline_streak
 from dflash_lit.eval.prompts import PromptSetError, load_prompts
 from dflash_lit.eval.report import EvalSettings, check_lossless, run_evaluation
+from dflash_lit.errors import UserError
 from dflash_lit.eval.speculative import (
     chain_generate,
     first_mismatch,
@@ -158,6 +159,30 @@ def test_draft_vocab_restricts_the_head_and_stays_lossless(target, drafter, prom
                                 draft_vocab=ids)]
         for r in runs:
             assert r.tokens == ref, (r.method, first_mismatch(r.tokens, ref))
+
+
+def test_model_free_methods_draft_their_own_depth_whatever_the_drafter_block(target, drafter,
+                                                                            prompts):
+    """n-gram and suffix decoding (and the suffix half of the hybrids) draft as deep as their
+    own settings say, not the drafter's block - 1: a small-block drafter must not cap them."""
+    s = EvalSettings(methods=["ngram", "suffix", "merged", "hybrid"], budgets=[6],
+                     max_new_tokens=24, ngram_tokens=6, suffix_tree_depth=5, warmup=False)
+    rep = run_evaluation(target, drafter, [(f"p{i}", p) for i, p in enumerate(prompts)], s,
+                         progress=False)
+    m = rep["methods"]
+    assert rep["lossless"] and rep["block_size"] == BS == 4
+    assert len(m["ngram"]["slot_accepts"]) == 6 and len(m["suffix"]["slot_accepts"]) == 5
+    assert len(m["merged_b6"]["slot_accepts"]) == len(m["hybrid_b6"]["slot_accepts"]) == 5
+    # a prompt that repeats itself: its first n-gram draft is as long as the setting allows
+    loop = [("loop", list(range(10, 30)) + list(range(10, 13)))]
+    drafted = {}
+    for n in (3, 6):
+        s = EvalSettings(methods=["ngram"], max_new_tokens=24, ngram_tokens=n, warmup=False)
+        rep = run_evaluation(target, drafter, loop, s, progress=False)
+        drafted[n] = rep["methods"]["ngram"]["mean_draft_length"] * rep["methods"]["ngram"]["steps"]
+    assert drafted[6] - drafted[3] >= 3 - 1e-9
+    with pytest.raises(UserError, match=r"suffix.max_tree_depth=0"):
+        EvalSettings(suffix_tree_depth=0).validate()
 
 
 def test_perfect_drafter_chain_tau_is_block_size(target, prompts):

@@ -53,7 +53,9 @@ class EvalSettings:
     ngram_n_max: int = 3
     ngram_n_min: int = 1
     ngram_rule: str = "earliest"  # vLLM's; "latest" = the most recent occurrence
+    ngram_tokens: int = 15  # n-gram tokens drafted per step (vLLM num_speculative_tokens)
     suffix_budget: int = 16  # suffix decoding: draft tree nodes per step
+    suffix_tree_depth: int = 15  # deepest suffix draft node, also the suffix half of hybrids
     suffix_depth: int = 32  # longest substring the suffix indexes count
     suffix_min_prob: float = 0.1  # drop draft nodes whose path probability is below this
     offline_streak: bool = False
@@ -90,6 +92,10 @@ class EvalSettings:
             raise UserError(
                 f"ngram n_min={self.ngram_n_min}, n_max={self.ngram_n_max}: need 1 <= n_min <= n_max"
             )
+        for key, v in (("ngram.num_speculative_tokens", self.ngram_tokens),
+                       ("suffix.max_tree_depth", self.suffix_tree_depth)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"{key}={v!r}: tokens drafted per step, must be an int >= 1")
 
     def method_keys(self) -> list[str]:
         keys = []
@@ -110,19 +116,19 @@ def _run_method(key, target, drafter, ids, s: EvalSettings, eos, bs, max_new,
         return chain_generate(target, drafter, ids, max_new, eos, block_size=s.block_size,
                               draft_vocab=vocab)
     if key == "ngram":
-        return ngram_generate(target, ids, max_new, eos, block_size=bs,
+        return ngram_generate(target, ids, max_new, eos, block_size=s.ngram_tokens + 1,
                               n_max=s.ngram_n_max, n_min=s.ngram_n_min, rule=s.ngram_rule)
     suffix = {"depth": s.suffix_depth, "min_prob": s.suffix_min_prob, "global_index": index}
     if key == "suffix":
-        return suffix_generate(target, ids, max_new, eos, block_size=bs, budget=s.suffix_budget,
-                               **suffix)
+        return suffix_generate(target, ids, max_new, eos, block_size=s.suffix_tree_depth + 1,
+                               budget=s.suffix_budget, **suffix)
     method, budget = key.rsplit("_b", 1)
     if method == "tree":
         return tree_generate(target, drafter, ids, max_new, int(budget), eos,
                              block_size=s.block_size, top_k=s.tree_top_k, draft_vocab=vocab)
     return hybrid_generate(target, drafter, ids, max_new, int(budget), eos,
                            block_size=s.block_size, top_k=s.tree_top_k, merge=method == "merged",
-                           draft_vocab=vocab, **suffix)
+                           draft_vocab=vocab, suffix_slots=s.suffix_tree_depth, **suffix)
 
 
 def run_evaluation(

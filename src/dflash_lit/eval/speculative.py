@@ -584,8 +584,11 @@ def hybrid_generate(
     depth: int = 32,
     min_prob: float = 0.1,
     draft_vocab: Tensor | None = None,
+    suffix_slots: int | None = None,
 ) -> GenerationResult:
     """Drafter + suffix decoding as a serving engine runs them, ``budget`` nodes per step.
+    The suffix half drafts at most ``suffix_slots`` tokens deep (None: the drafter's block
+    size - 1), independent of the drafter's block.
 
     ``merge=False`` (``hybrid``): the suffix tree when its score, calibrated by the suffix
     steps so far (accepted / predicted in this request), reaches the drafter's mean accepted
@@ -596,6 +599,9 @@ def hybrid_generate(
     _check_max_new(max_new_tokens)
     proposer, runner = _setup(target, drafter, block_size, draft_vocab)
     slots = proposer.block_size - 1
+    sfx_slots = slots if suffix_slots is None else int(suffix_slots)
+    if sfx_slots < 1:
+        raise ValueError(f"suffix_slots={suffix_slots}: the suffix draft needs >= 1 token")
     local = SuffixIndex(depth)
     indexes = [local] + ([global_index] if global_index is not None else [])
     drafter_steps = [1.0, 1]  # accepted nodes, steps (prior: one token per step)
@@ -608,7 +614,8 @@ def hybrid_generate(
         if d == 0:
             st.verify_chain([])
             return
-        sfx, score = suffix_draft(indexes, st.tokens, budget, d, min_prob)
+        sfx, score = suffix_draft(indexes, st.tokens, budget, min(sfx_slots, st.remaining - 1),
+                                  min_prob)
         calibrated = score * suffix_steps[0] / suffix_steps[1]
         if not merge and sfx.num_nodes and calibrated >= drafter_steps[0] / drafter_steps[1]:
             suffix_steps[0] += _verify_tree(st, sfx)
@@ -622,8 +629,8 @@ def hybrid_generate(
         drafter_steps[1] += 1
 
     name = f"{'merged' if merge else 'hybrid'}_b{budget}"
-    st = _Decode(runner, _prompt_list(prompt_ids), max_new_tokens, _eos_set(eos_ids), slots,
-                 name, proposer.observe)
+    st = _Decode(runner, _prompt_list(prompt_ids), max_new_tokens, _eos_set(eos_ids),
+                 max(slots, sfx_slots), name, proposer.observe)
     return _run(st, step)
 
 
