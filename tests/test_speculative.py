@@ -9,11 +9,11 @@ import torch
 
 from dflash_lit import DFlashConfig, DFlashDrafter
 from dflash_lit.compat import check_compatible
+from dflash_lit.errors import UserError
 from dflash_lit.eval.model_free import SuffixIndex
 from dflash_lit.eval.offline import offline_streak
 from dflash_lit.eval.prompts import PromptSetError, load_prompts
 from dflash_lit.eval.report import EvalSettings, check_lossless, run_evaluation
-from dflash_lit.errors import UserError
 from dflash_lit.eval.speculative import (
     chain_generate,
     first_mismatch,

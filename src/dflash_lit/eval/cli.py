@@ -49,6 +49,7 @@ def settings_from_cfg(cfg: DictConfig) -> EvalSettings:
         suffix_min_prob=float(cfg.suffix.min_prob),
         offline_streak=bool(cfg.offline_streak),
         warmup=bool(cfg.warmup),
+        trim_drafts=bool(cfg.trim_drafts),
     )
     s.validate()
     return s

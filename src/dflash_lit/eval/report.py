@@ -30,6 +30,9 @@ from dflash_lit.eval.speculative import (
     target_greedy,
     tree_generate,
 )
+from dflash_lit.eval.target_runner import TargetRunner
+from dflash_lit.eval.verify_cost import Trimmer
+from dflash_lit.eval.verify_cost import measure as measure_verify_cost
 from dflash_lit.model.drafter import DFlashDrafter
 
 METHODS = ("chain", "tree", "ngram", "suffix", "hybrid", "merged", "baseline")
@@ -60,6 +63,7 @@ class EvalSettings:
     suffix_min_prob: float = 0.1  # drop draft nodes whose path probability is below this
     offline_streak: bool = False
     warmup: bool = True
+    trim_drafts: bool = False  # per step, verify only the draft prefix worth this machine's verify cost
 
     def validate(self) -> None:
         bad = [m for m in self.methods if m not in METHODS]
@@ -109,26 +113,30 @@ class EvalSettings:
 
 def _run_method(key, target, drafter, ids, s: EvalSettings, eos, bs, max_new,
                 index: SuffixIndex | None = None,
-                vocab: torch.Tensor | None = None) -> GenerationResult:
+                vocab: torch.Tensor | None = None,
+                trimmer: Trimmer | None = None) -> GenerationResult:
     """One method on one prompt; ``index``: the suffix methods' global index of earlier outputs;
-    ``vocab``: the drafter's draft vocabulary (None: the full vocab)."""
+    ``vocab``: the drafter's draft vocabulary (None: the full vocab); ``trimmer``: the
+    method's cost rule (``verify_cost``; None: verify whole drafts)."""
     if key == "chain":
         return chain_generate(target, drafter, ids, max_new, eos, block_size=s.block_size,
-                              draft_vocab=vocab)
+                              draft_vocab=vocab, trimmer=trimmer)
     if key == "ngram":
         return ngram_generate(target, ids, max_new, eos, block_size=s.ngram_tokens + 1,
                               n_max=s.ngram_n_max, n_min=s.ngram_n_min, rule=s.ngram_rule)
     suffix = {"depth": s.suffix_depth, "min_prob": s.suffix_min_prob, "global_index": index}
     if key == "suffix":
         return suffix_generate(target, ids, max_new, eos, block_size=s.suffix_tree_depth + 1,
-                               budget=s.suffix_budget, **suffix)
+                               budget=s.suffix_budget, trimmer=trimmer, **suffix)
     method, budget = key.rsplit("_b", 1)
     if method == "tree":
         return tree_generate(target, drafter, ids, max_new, int(budget), eos,
-                             block_size=s.block_size, top_k=s.tree_top_k, draft_vocab=vocab)
+                             block_size=s.block_size, top_k=s.tree_top_k, draft_vocab=vocab,
+                             trimmer=trimmer)
     return hybrid_generate(target, drafter, ids, max_new, int(budget), eos,
                            block_size=s.block_size, top_k=s.tree_top_k, merge=method == "merged",
-                           draft_vocab=vocab, suffix_slots=s.suffix_tree_depth, **suffix)
+                           draft_vocab=vocab, suffix_slots=s.suffix_tree_depth, trimmer=trimmer,
+                           **suffix)
 
 
 def run_evaluation(
@@ -150,12 +158,16 @@ def run_evaluation(
     bs = int(settings.block_size or drafter.config.block_size)
     keys = settings.method_keys()
     eos = [int(e) for e in eos_ids]
+    cost = None
+    if settings.trim_drafts and prompts:  # this machine's verify cost, once per evaluation
+        cost = measure_verify_cost(TargetRunner(target), prompts[0][1])
+    trimmers = {k: Trimmer(cost) for k in keys if cost is not None and k != "ngram"}
     if settings.warmup and prompts:  # first-call costs (allocator, kernels) off the clock
         ids = prompts[0][1]
         target_greedy(target, ids, min(8, settings.max_new_tokens), eos)
         for k in keys:
             _run_method(k, target, drafter, ids, settings, eos, bs, min(8, settings.max_new_tokens),
-                        vocab=draft_vocab)
+                        vocab=draft_vocab, trimmer=Trimmer(cost) if k in trimmers else None)
     results: dict[str, list[GenerationResult]] = {k: [] for k in ["baseline", *keys]}
     # suffix methods also draft from the outputs already served (a global cache), per method
     indexes = {k: SuffixIndex(settings.suffix_depth) for k in keys if k.startswith(SUFFIX_KEYS)}
@@ -174,7 +186,7 @@ def run_evaluation(
         row: dict[str, Any] = {"id": pid, "prompt_tokens": len(ids), "generated_tokens": len(ref.tokens)}
         for k in keys:
             r = _run_method(k, target, drafter, ids, settings, eos, bs, settings.max_new_tokens,
-                            indexes.get(k), draft_vocab)
+                            indexes.get(k), draft_vocab, trimmers.get(k))
             results[k].append(r)
             row[k] = r.acceptance_lengths
             pos = first_mismatch(r.tokens, ref.tokens)
@@ -203,6 +215,7 @@ def run_evaluation(
         "wall_time_s": wall,
         "settings": asdict(settings),
         "draft_vocab": None if draft_vocab is None else len(draft_vocab),
+        "verify_cost": None if cost is None else cost.to_dict(),
     }
     m = report["methods"]
     report["tau_chain"] = m["chain"]["tau"] if "chain" in m else None

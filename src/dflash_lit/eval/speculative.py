@@ -55,6 +55,7 @@ from dflash_lit.eval.target_runner import (
     is_rollbackable,
     keep_tail_rows,
 )
+from dflash_lit.eval.verify_cost import Trimmer, chain_path_probs
 from dflash_lit.model.drafter import DFlashDrafter, DrafterCache
 
 
@@ -398,17 +399,26 @@ def chain_generate(
     eos_ids: int | Iterable[int] | None = None,
     block_size: int | None = None,
     draft_vocab: Tensor | None = None,
+    trimmer: Trimmer | None = None,
 ) -> GenerationResult:
     """Speculative decoding with chain verification of the drafter's per-slot argmax
-    (over ``draft_vocab`` when given: ``DFlashProposer``)."""
+    (over ``draft_vocab`` when given: ``DFlashProposer``); ``trimmer`` keeps, per step, the
+    prefix of the chain worth its verify cost on this machine (``verify_cost``)."""
     _check_max_new(max_new_tokens)
     proposer, runner = _setup(target, drafter, block_size, draft_vocab)
     slots = proposer.block_size - 1
 
     def step(st: _Decode) -> None:
-        logits = proposer.draft_logits(st.tokens)
-        drafts = logits[: min(slots, st.remaining - 1)].argmax(-1).tolist()
-        st.verify_chain(drafts)
+        t0 = time.perf_counter()
+        logits = proposer.draft_logits(st.tokens)[: min(slots, st.remaining - 1)]
+        drafts = logits.argmax(-1).tolist()
+        if trimmer is None:
+            st.verify_chain(drafts)
+            return
+        probs = chain_path_probs(logits)
+        n = trimmer.choose(probs, time.perf_counter() - t0)
+        a, _ = st.verify_chain(drafts[:n])
+        trimmer.record(a, sum(probs[:n]))
 
     st = _Decode(runner, _prompt_list(prompt_ids), max_new_tokens, _eos_set(eos_ids), slots,
                  "chain", proposer.observe)
@@ -453,8 +463,10 @@ def tree_generate(
     block_size: int | None = None,
     top_k: int | None = None,
     draft_vocab: Tensor | None = None,
+    trimmer: Trimmer | None = None,
 ) -> GenerationResult:
-    """Speculative decoding with DDTree verification (``budget`` nodes, root excluded).
+    """Speculative decoding with DDTree verification (``budget`` nodes, root excluded;
+    ``trimmer``: only the best-first prefix worth its verify cost, ``verify_cost``).
 
     Per-slot top-k (k = ``top_k`` or min(budget, V)) log-probs of one draft block build a
     best-first tree; the target verifies root + nodes in one forward with an ancestor-only
@@ -482,7 +494,9 @@ def tree_generate(
         if depth == 0:
             st.verify_chain([])
             return
-        _verify_tree(st, _draft_ddtree(proposer, st.tokens, depth, budget, top_k))
+        t0 = time.perf_counter()
+        tree = _draft_ddtree(proposer, st.tokens, depth, budget, top_k)
+        _verify_trimmed(st, tree, trimmer, time.perf_counter() - t0)
 
     st = _Decode(runner, _prompt_list(prompt_ids), max_new_tokens, _eos_set(eos_ids), slots,
                  f"tree_b{budget}", proposer.observe)
@@ -526,6 +540,19 @@ def _verify_tree(st: _Decode, tree: Any) -> int:
     return len(path)
 
 
+def _verify_trimmed(st: _Decode, tree: Any, trimmer: Trimmer | None,
+                    draft_s: float) -> tuple[int, float | None]:
+    """Verify ``tree``, or with a ``trimmer`` its best prefix (none: a plain decoding step);
+    returns (accepted nodes, the kept nodes' Σ path probability, None without a trimmer)."""
+    pred = None
+    if trimmer is not None:
+        tree, pred = trimmer.trim(tree, draft_s)
+    acc = _verify_tree(st, tree) if tree.num_nodes else st.verify_chain([])[0]
+    if trimmer is not None:
+        trimmer.record(acc, pred)
+    return acc, pred
+
+
 def _needs_kv_cache(st: _Decode, what: str) -> None:
     if st.recompute:
         raise NotImplementedError(
@@ -545,9 +572,11 @@ def suffix_generate(
     global_index: SuffixIndex | None = None,
     depth: int = 32,
     min_prob: float = 0.1,
+    trimmer: Trimmer | None = None,
 ) -> GenerationResult:
     """Suffix decoding: a draft tree (``budget`` nodes, ``block_size - 1`` deep) from the
-    request's own suffix index and ``global_index`` (earlier outputs), verified in one pass."""
+    request's own suffix index and ``global_index`` (earlier outputs), verified in one pass
+    (``trimmer``: its best-first prefix worth the verify cost, ``verify_cost``)."""
     _check_max_new(max_new_tokens)
     runner = target if isinstance(target, TargetRunner) else TargetRunner(target)
     slots = block_size - 1
@@ -558,11 +587,12 @@ def suffix_generate(
         _needs_kv_cache(st, "suffix")
         local.extend(st.tokens[local.length:])
         d = min(slots, st.remaining - 1)
+        t0 = time.perf_counter()
         tree, _ = suffix_draft(indexes, st.tokens, budget, d, min_prob) if d > 0 else (None, 0.0)
         if tree is None or tree.num_nodes == 0:
             st.verify_chain([])
         else:
-            _verify_tree(st, tree)
+            _verify_trimmed(st, tree, trimmer, time.perf_counter() - t0)
 
     st = _Decode(runner, _prompt_list(prompt_ids), max_new_tokens, _eos_set(eos_ids), slots,
                  "suffix", lambda hidden: None)
@@ -585,6 +615,7 @@ def hybrid_generate(
     min_prob: float = 0.1,
     draft_vocab: Tensor | None = None,
     suffix_slots: int | None = None,
+    trimmer: Trimmer | None = None,
 ) -> GenerationResult:
     """Drafter + suffix decoding as a serving engine runs them, ``budget`` nodes per step.
     The suffix half drafts at most ``suffix_slots`` tokens deep (None: the drafter's block
@@ -595,6 +626,7 @@ def hybrid_generate(
     tokens per step so far (1 before its first step), else the drafter's DDTree; a suffix step
     skips the drafter's forward. ``merge=True`` (``merged``):
     DDTree and suffix tree merged into one tree of ``budget`` nodes every step.
+    ``trimmer``: each step verifies only the prefix worth its cost (``verify_cost``).
     """
     _check_max_new(max_new_tokens)
     proposer, runner = _setup(target, drafter, block_size, draft_vocab)
@@ -614,18 +646,20 @@ def hybrid_generate(
         if d == 0:
             st.verify_chain([])
             return
+        t0 = time.perf_counter()
         sfx, score = suffix_draft(indexes, st.tokens, budget, min(sfx_slots, st.remaining - 1),
                                   min_prob)
         calibrated = score * suffix_steps[0] / suffix_steps[1]
         if not merge and sfx.num_nodes and calibrated >= drafter_steps[0] / drafter_steps[1]:
-            suffix_steps[0] += _verify_tree(st, sfx)
-            suffix_steps[1] += score
+            acc, kept = _verify_trimmed(st, sfx, trimmer, time.perf_counter() - t0)
+            suffix_steps[0] += acc
+            suffix_steps[1] += score if kept is None else kept
             return
         tree = _draft_ddtree(proposer, st.tokens, d, budget, top_k)
         if merge:
-            _verify_tree(st, merge_trees(tree, sfx, budget))
+            _verify_trimmed(st, merge_trees(tree, sfx, budget), trimmer, time.perf_counter() - t0)
             return
-        drafter_steps[0] += _verify_tree(st, tree)
+        drafter_steps[0] += _verify_trimmed(st, tree, trimmer, time.perf_counter() - t0)[0]
         drafter_steps[1] += 1
 
     name = f"{'merged' if merge else 'hybrid'}_b{budget}"
