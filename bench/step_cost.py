@@ -19,7 +19,8 @@ from common import fmt_table, median_time, write_result
 
 from dflash_lit.eval.loading import load_drafter
 from dflash_lit.eval.speculative import DFlashProposer
-from dflash_lit.eval.target_runner import TargetRunner, drop_last
+from dflash_lit.eval.target_runner import TargetRunner
+from dflash_lit.eval.verify_cost import measure as measure_verify_cost
 
 
 def main() -> None:
@@ -49,22 +50,12 @@ def main() -> None:
     vocab = model.config.vocab_size
     ctx = torch.randint(100, vocab, (args.context,), generator=gen).tolist()
     prefill = runner.forward(ctx, torch.arange(len(ctx)))
-    cache = prefill.cache
 
-    rows = []
-
-    def verify(q: int):
-        def run():
-            out = runner.forward(ctx[-q:], torch.arange(len(ctx), len(ctx) + q), cache=cache)
-            drop_last(out.cache, q)
-        return run
-
-    base = None
-    for q in [int(s) for s in args.sizes.split(",")]:
-        t = median_time(verify(q), repeats=args.repeats, warmup=2)
-        base = base or t
-        rows.append({"what": f"target verify, {q} tokens", "ms": round(t * 1e3, 2),
-                     "vs_decode_step": round(t / base, 3)})
+    cost = measure_verify_cost(runner, ctx, [int(s) for s in args.sizes.split(",")],
+                               repeats=args.repeats)
+    base = cost.seconds[0]
+    rows = [{"what": f"target verify, {q} tokens", "ms": round(t * 1e3, 2),
+             "vs_decode_step": round(t / base, 3)} for q, t in zip(cost.sizes, cost.seconds)]
 
     ids = torch.arange(args.draft_vocab)
     for name, vids in [("full vocab", None), (f"draft vocab {args.draft_vocab}", ids)]:

@@ -101,7 +101,7 @@ def test_trimmed_decoding_is_lossless_and_the_rule_bites(target, drafter):
             index.end_sequence()
         if name in ("tree", "merged"):  # 8-node trees, cut per step to a prefix that varies
             assert min(trimmer.kept) < 8 and len(set(trimmer.kept)) > 1, (name, trimmer.kept)
-        assert trimmer.predicted >= 1.0 and trimmer.accepted >= 1.0
+            assert trimmer.predicted > 1.0  # the kept nodes' predictions reached the calibration
 
 
 def test_evaluation_measures_the_cost_once_and_stays_lossless(target, drafter):

@@ -2,7 +2,7 @@
 
 On a GPU verifying 16 tokens costs about what verifying one does, so a draft should be as big
 as the budget allows. On a CPU it does not: measured on 2 cores for SmolLM2-135M
-(``bench/step_cost.py``), a 17-token verify forward costs 2.1x a 1-token one, so a step whose
+(``bench/step_cost.py``), a 16-token verify forward costs ~2x a 1-token one, so a step whose
 draft the target is likely to reject is cheaper as plain decoding. Every step's draft lists its
 nodes best first (DDTree and suffix trees pop by path probability; a chain is its own order),
 so any prefix of it is a valid draft. The rule keeps the prefix of n nodes that maximises
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from dflash_lit.eval.ddtree import Tree
+from dflash_lit.eval.target_runner import cache_length, drop_last
 
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # verified tokens timed by ``measure``
 
@@ -59,8 +60,6 @@ class VerifyCost:
 def measure(runner, prompt: list[int], sizes=DEFAULT_SIZES, repeats: int = 3) -> VerifyCost:
     """Time ``runner``'s verify forward of q tokens on top of ``prompt``'s cache (median of
     ``repeats``, after one warm-up), then roll the cache back."""
-    from dflash_lit.eval.target_runner import cache_length, drop_last
-
     pre = runner.forward(prompt, torch.arange(len(prompt)))
     cache, n = pre.cache, len(prompt)
     out = []
