@@ -8,7 +8,10 @@ with ``callbacks.model_checkpoint.save_top_k=-1``) by real speculative decoding
 (``evaluate.py``, lossless checked; a report already written is read back), and writes
 ``bench/results/tau_curve_<name>.{json,md,png}``: τ per method against steps and target tokens,
 and ``dflash_lit.analyze``'s projection of each τ to ``--project-to`` (the model chosen on
-held-out points, its 10-90 % bootstrap band; none below its minimum number of points).
+held-out points, its 10-90 % bootstrap band; none below its minimum number of points). With
+``--goal chain=3.0`` it also inverts the fit: the step (and target tokens, and CPU hours at the
+run's own median step time) at which the projection reaches the goal, with the band of the
+bootstrap refits. Several ``--run`` directories (a run and its continuation) form one curve.
 
 Read a curve of one cosine schedule for what it is: its late flattening is partly the
 learning-rate decay, so its projection past the run's own last step is a lower bound for a
@@ -27,7 +30,8 @@ from pathlib import Path
 import torch
 from common import REPO, RESULTS, fmt_table, write_result
 
-from dflash_lit.analyze.fits import MIN_POINTS, project
+from dflash_lit.analyze.fits import MIN_POINTS, project, steps_to_reach
+from dflash_lit.analyze.logs import read_metrics_csv
 from dflash_lit.checkpoint import safe_load
 
 
@@ -46,6 +50,29 @@ def checkpoints(run: Path, every: int) -> list[tuple[int, Path]]:
     return out
 
 
+def median_step_seconds(runs: list[Path]) -> float | None:
+    """Median ``perf/step_s`` over the runs' CSV logs (None when none is logged)."""
+    vals = []
+    for run in runs:
+        for csv in sorted(run.glob("csv/**/metrics.csv")):
+            df, _ = read_metrics_csv(csv)
+            if "perf/step_s" in df:
+                vals += df["perf/step_s"].dropna().tolist()
+    return float(torch.tensor(vals).median()) if vals else None
+
+
+def parse_goals(items: list[str]) -> dict[str, float]:
+    """``["chain=3.0"]`` -> {"chain": 3.0}; a one-line error on a malformed item."""
+    goals = {}
+    for it in items:
+        name, sep, val = it.partition("=")
+        try:
+            goals[name] = float(val) if sep and name else float("x")
+        except ValueError:
+            raise SystemExit(f"--goal {it!r}: expected METHOD=VALUE, e.g. chain=3.0") from None
+    return goals
+
+
 def evaluate(ckpt: Path, out: Path, args) -> dict:
     if not (out / "report.json").is_file():
         cmd = [sys.executable, str(REPO / "evaluate.py"), f"ckpt={ckpt}",
@@ -59,7 +86,8 @@ def evaluate(ckpt: Path, out: Path, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", type=Path, required=True, help="a training run directory")
+    ap.add_argument("--run", type=Path, required=True, nargs="+",
+                    help="training run directories (a run, then its continuations)")
     ap.add_argument("--every", type=int, default=1500, help="evaluate checkpoints at multiples of this step")
     ap.add_argument("--prompts", default="humaneval")
     ap.add_argument("--limit", type=int, default=20)
@@ -68,12 +96,20 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=16, help="DDTree node budget")
     ap.add_argument("--project-to", type=int, default=None, help="projection step (default 2x the last)")
     ap.add_argument("--name", default=None, help="result name (default: the run directory's name)")
+    ap.add_argument("--goal", nargs="*", default=[],
+                    help="METHOD=VALUE: the step at which the projection reaches VALUE")
+    ap.add_argument("--horizon", type=float, default=1000.0,
+                    help="search --goal crossings up to this multiple of the last step")
     ap.add_argument("--eval-overrides", nargs="*", default=[])
     args = ap.parse_args()
-    name = args.name or args.run.name
+    goals = parse_goals(args.goal)
+    name = args.name or args.run[0].name
     work = REPO / "outputs" / "bench" / f"tau_curve_{name}"
-    rows = []
-    for step, ckpt in checkpoints(args.run, args.every):
+    rows, seen = [], set()
+    for step, ckpt in [c for run in args.run for c in checkpoints(run, args.every)]:
+        if step in seen:  # a continuation's first checkpoint may repeat its parent's last
+            continue
+        seen.add(step)
         rep = evaluate(ckpt, work / f"step{step}", args)
         meta = safe_load(ckpt).get("dflash", {})
         row = {"step": step, "tokens": meta.get("tokens_seen"), "lossless": rep["lossless"]}
@@ -84,20 +120,42 @@ def main() -> None:
     methods = [k for k in rows[-1] if k not in ("step", "tokens", "lossless")]
     final = args.project_to or 2 * rows[-1]["step"]
     steps = torch.tensor([r["step"] for r in rows], dtype=torch.float64).numpy()
-    projections = {}
+    projections, reaches = {}, []
+    step_s = median_step_seconds(args.run)
+    last = rows[-1]
+    tok_per_step = last["tokens"] / last["step"] if last.get("tokens") else None
     for m in methods:
         pr = project(steps, torch.tensor([r[m] for r in rows]).numpy(), final, metric=f"tau_{m}")
         projections[m] = {"value": pr.value, "lo": pr.lo, "hi": pr.hi, "note": pr.note,
                           "model": pr.chosen.name if pr.chosen else None}
+        if m in goals:
+            r = steps_to_reach(pr, goals[m], start=last["step"], horizon=args.horizon * last["step"])
+            row = {"method": m, "goal": r.goal, "model": projections[m]["model"]}
+            for key in ("step", "lo", "hi"):
+                v = getattr(r, key)
+                row[key] = None if v is None else round(v)
+                row[f"{key}_x_run"] = None if v is None else round(v / last["step"], 1)
+                row[f"{key}_cpu_h"] = None if v is None or step_s is None else round(v * step_s / 3600, 1)
+            row["tokens"] = None if r.step is None or tok_per_step is None else round(r.step * tok_per_step)
+            row["never_share"] = r.never
+            reaches.append(row)
     table = fmt_table(rows, ["step", "tokens", *methods, "lossless"])
     table += "\n\n" + fmt_table(
         [{"method": m, "projected_step": final, **p} for m, p in projections.items()],
         ["method", "projected_step", "value", "lo", "hi", "model", "note"])
+    if reaches:
+        table += "\n\n" + fmt_table(reaches, list(reaches[0]))
+        table += (f"\n\nSteps at which the projection reaches the goal, searched up to "
+                  f"{args.horizon:g}x the last step: the chosen fit (step), the 10-90 % band of "
+                  "its bootstrap refits (lo, hi; None: beyond the horizon or never), as a multiple "
+                  f"of the curve's last step (x_run) and in CPU hours at its median step of "
+                  f"{step_s if step_s is None else round(step_s, 3)} s.")
     table += (f"\n\n{args.prompts}, first {args.limit} prompts x {args.max_new_tokens} tokens; "
               f"projection needs >= {MIN_POINTS} points; one cosine schedule's curve flattens "
               "with its learning rate, so past its last step the projection is a lower bound.\n")
-    write_result(f"tau_curve_{name}", {"run": str(args.run.name), "rows": rows,
-                                       "projections": projections}, table)
+    write_result(f"tau_curve_{name}", {"runs": [r.name for r in args.run], "rows": rows,
+                                       "projections": projections, "reaches": reaches,
+                                       "step_s": step_s}, table)
     _plot(rows, methods, projections, final, RESULTS / f"tau_curve_{name}.png")
 
 

@@ -22,6 +22,7 @@ from dflash_lit.analyze import (
     loss_distribution,
     project,
     segment_velocity,
+    steps_to_reach,
     write_compare_report,
 )
 from dflash_lit.analyze.__main__ import main
@@ -114,6 +115,24 @@ def test_projection_picks_power_law_and_brackets_truth():
     few = project(s[:5], acc[:5], 100, "train/main/acc")
     assert few.chosen is None and few.value is None and "too few points" in few.note
 
+
+
+def test_steps_to_reach_inverts_the_fit_with_a_band():
+    rng = np.random.default_rng(2)
+    s = np.arange(0, 10_000, 100)
+    tau = 1.0 + 0.1 * np.log(s + 1.0)  # reaches 2.0 at x = e^10, step ~22025
+    p = project(s, tau + rng.normal(0, 0.01, len(s)), 20_000, "tau_chain")
+    r = steps_to_reach(p, 2.0, start=s[-1], horizon=1e7)
+    assert p.chosen.name in ("log", "power")
+    assert r.step == pytest.approx(math.exp(10.0) - 1, rel=0.15)
+    assert r.lo <= r.step <= r.hi and r.never == 0.0
+    # a goal above the saturating truth is never reached; one already passed is at the start
+    sat = project(s, 2.0 - np.exp(-(s + 1.0) / 2000.0) + rng.normal(0, 0.005, len(s)), 20_000,
+                  "tau_chain")
+    no = steps_to_reach(sat, 3.0, start=s[-1], horizon=1e7)
+    assert no.step is None and no.hi is None and no.never > 0.9
+    assert steps_to_reach(p, 1.5, start=s[-1], horizon=1e7).step == pytest.approx(s[-1])
+    assert steps_to_reach(project(s[:5], tau[:5], 100), 2.0, 4, 1e7).step is None
 
 # ---------------------------------------------------------------------------- distribution
 def _mixture(n, rng):

@@ -18,7 +18,7 @@ from dflash_lit.analyze.distribution import (
     loss_distribution,
 )
 from dflash_lit.analyze.events import check_epochs, check_resume, epoch_boundaries, jump_at
-from dflash_lit.analyze.fits import Projection, fit_model, project
+from dflash_lit.analyze.fits import Projection, Reach, fit_model, project, steps_to_reach
 from dflash_lit.analyze.grads import GradStats, grad_stats
 from dflash_lit.analyze.logs import LogError, ResumeEvent, Run, load_run, read_metrics_csv
 from dflash_lit.analyze.report import write_compare_report, write_run_report
@@ -26,9 +26,9 @@ from dflash_lit.analyze.velocity import Velocity, make_segments, segment_velocit
 
 __all__ = [
     "Comparison", "GradStats", "LogError", "LossDistribution", "Options", "Projection",
-    "ResumeEvent", "Run", "RunAnalysis", "Velocity", "analyze_run", "bimodality",
+    "Reach", "ResumeEvent", "Run", "RunAnalysis", "Velocity", "analyze_run", "bimodality",
     "check_epochs", "check_resume", "compare_runs", "epoch_boundaries", "fit_gaussian",
     "fit_mixture2", "fit_model", "grad_stats", "jump_at", "load_run", "loss_distribution",
     "make_segments", "project", "read_metrics_csv", "resolve_final_step", "segment_velocity",
-    "write_compare_report", "write_run_report",
+    "steps_to_reach", "write_compare_report", "write_run_report",
 ]

@@ -50,6 +50,19 @@ class Projection:
     fits: list[Fit] = field(default_factory=list)
     selected_by: str = ""
     note: str = ""
+    boot: list[dict[str, float]] = field(default_factory=list, repr=False)  # bootstrap refits
+
+
+@dataclass
+class Reach:
+    """First step at which a projection reaches ``goal`` (None: not within ``horizon``)."""
+
+    goal: float
+    horizon: float
+    step: float | None = None  # the chosen fit's crossing
+    lo: float | None = None  # 10 % quantile of the bootstrap refits' crossings
+    hi: float | None = None  # 90 % quantile (None: over 10 % of the refits never reach it)
+    never: float = 0.0  # share of bootstrap refits that do not reach it within the horizon
 
 
 def _feature(name: str, x: np.ndarray, g: float | None = None) -> np.ndarray:
@@ -177,6 +190,7 @@ def project(steps: np.ndarray, values: np.ndarray, final_step: int, metric: str 
     resid = y - fitted
     Y = fitted[:, None] + rng.choice(resid, size=(len(x), n_boot), replace=True)
     params, _ = _solve(chosen.name, x + 1.0, Y)
+    out.boot = params
     proj = np.array([predict(chosen.name, p, np.array([final_step]))[0] for p in params])
     proj = _clip(metric, proj)
     out.lo, out.hi = float(np.quantile(proj, 0.1)), float(np.quantile(proj, 0.9))
@@ -185,4 +199,29 @@ def project(steps: np.ndarray, values: np.ndarray, final_step: int, metric: str 
         out.note = f"extrapolates {final_step / max(last, 1):.1f}x beyond the last step: rough"
     elif final_step <= last:
         out.note = "final step already reached: the fit's value there"
+    return out
+
+
+def steps_to_reach(pr: Projection, goal: float, start: float, horizon: float,
+                   n_grid: int = 4000) -> Reach:
+    """The first step in [``start``, ``horizon``] at which ``pr``'s chosen fit, and each of its
+    bootstrap refits, reach ``goal`` (a metric that should rise, e.g. τ or accuracy), with the
+    refits' 10-90 % band. Steps are searched on a geometric grid, so crossings are exact to
+    ~``log(horizon/start)/n_grid`` relative."""
+    out = Reach(goal=float(goal), horizon=float(horizon))
+    if pr.chosen is None:
+        return out
+    grid = np.geomspace(max(float(start), 1.0), float(horizon), n_grid)
+
+    def first(name: str, params: dict[str, float]) -> float:
+        hit = np.nonzero(predict(name, params, grid) >= goal)[0]
+        return float(grid[hit[0]]) if len(hit) else math.inf
+
+    step = first(pr.chosen.name, pr.chosen.params)
+    out.step = None if math.isinf(step) else step
+    crossings = np.array([first(pr.chosen.name, p) for p in pr.boot] or [step])
+    out.never = float(np.isinf(crossings).mean())
+    lo, hi = (float(np.quantile(crossings, q, method="inverted_cdf")) for q in (0.1, 0.9))
+    out.lo = None if math.isinf(lo) else lo
+    out.hi = None if math.isinf(hi) else hi
     return out
