@@ -30,13 +30,14 @@ from pathlib import Path
 import torch
 from common import REPO, RESULTS, fmt_table, write_result
 
-from dflash_lit.analyze.fits import MIN_POINTS, project, steps_to_reach
+from dflash_lit.analyze.fits import MIN_POINTS, first_crossing, project, steps_to_reach
 from dflash_lit.analyze.logs import read_metrics_csv
 from dflash_lit.checkpoint import safe_load
 
 
 def checkpoints(run: Path, every: int) -> list[tuple[int, Path]]:
-    """(step, path) of the run's periodic checkpoints at multiples of ``every``, then last.ckpt."""
+    """(step, path) of the run's periodic checkpoints at multiples of ``every``, then last.ckpt
+    (in place of a periodic one less than ``every / 10`` steps before it)."""
     out = []
     for p in sorted((run / "checkpoints").glob("step*.ckpt")):
         step = int(re.sub(r"\D", "", p.stem))
@@ -45,6 +46,8 @@ def checkpoints(run: Path, every: int) -> list[tuple[int, Path]]:
     last = run / "checkpoints" / "last.ckpt"
     if last.is_file():
         step = int(safe_load(last).get("global_step", 0))
+        # last.ckpt stands for a periodic checkpoint only a few steps before it
+        out = [(s, p) for s, p in out if s > step or step - s >= every / 10 or s == step]
         if not out or step > out[-1][0]:
             out.append((step, last))
     return out
@@ -120,7 +123,7 @@ def main() -> None:
     methods = [k for k in rows[-1] if k not in ("step", "tokens", "lossless")]
     final = args.project_to or 2 * rows[-1]["step"]
     steps = torch.tensor([r["step"] for r in rows], dtype=torch.float64).numpy()
-    projections, reaches = {}, []
+    projections, reaches, per_model = {}, [], []
     step_s = median_step_seconds(args.run)
     last = rows[-1]
     tok_per_step = last["tokens"] / last["step"] if last.get("tokens") else None
@@ -139,6 +142,15 @@ def main() -> None:
             row["tokens"] = None if r.step is None or tok_per_step is None else round(r.step * tok_per_step)
             row["never_share"] = r.never
             reaches.append(row)
+            for f in pr.fits:  # every model's own answer: the choice between them matters most
+                x = first_crossing(f.name, f.params, goals[m], last["step"],
+                                   args.horizon * last["step"])
+                per_model.append({
+                    "method": m, "model": f.name, "chosen": f is pr.chosen,
+                    "value_at_projected_step": round(float(f.predict(final)), 3),
+                    "holdout_rmse": f.holdout_rmse, "aic": round(f.aic, 1),
+                    "goal_step": None if x == float("inf") else round(x),
+                    "goal_x_run": None if x == float("inf") else round(x / last["step"], 1)})
     table = fmt_table(rows, ["step", "tokens", *methods, "lossless"])
     table += "\n\n" + fmt_table(
         [{"method": m, "projected_step": final, **p} for m, p in projections.items()],
@@ -150,11 +162,14 @@ def main() -> None:
                   "its bootstrap refits (lo, hi; None: beyond the horizon or never), as a multiple "
                   f"of the curve's last step (x_run) and in CPU hours at its median step of "
                   f"{step_s if step_s is None else round(step_s, 3)} s.")
+        table += "\n\n" + fmt_table(per_model, list(per_model[0]))
+        table += ("\n\nEach model fitted to all points on its own (goal_step None: it never "
+                  "reaches the goal within the horizon).")
     table += (f"\n\n{args.prompts}, first {args.limit} prompts x {args.max_new_tokens} tokens; "
               f"projection needs >= {MIN_POINTS} points; one cosine schedule's curve flattens "
               "with its learning rate, so past its last step the projection is a lower bound.\n")
     write_result(f"tau_curve_{name}", {"runs": [r.name for r in args.run], "rows": rows,
-                                       "projections": projections, "reaches": reaches,
+                                       "projections": projections, "reaches": reaches, "per_model": per_model,
                                        "step_s": step_s}, table)
     _plot(rows, methods, projections, final, RESULTS / f"tau_curve_{name}.png")
 

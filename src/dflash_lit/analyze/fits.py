@@ -202,24 +202,28 @@ def project(steps: np.ndarray, values: np.ndarray, final_step: int, metric: str 
     return out
 
 
-def steps_to_reach(pr: Projection, goal: float, start: float, horizon: float,
-                   n_grid: int = 4000) -> Reach:
+def first_crossing(name: str, params: dict[str, float], goal: float, start: float,
+                   horizon: float, n_grid: int = 4000) -> float:
+    """First step in [``start``, ``horizon``] at which model ``name`` with ``params`` reaches
+    ``goal`` (inf: not within the horizon), on a geometric grid (exact to
+    ~``log(horizon/start)/n_grid`` relative)."""
+    grid = np.geomspace(max(float(start), 1.0), float(horizon), n_grid)
+    hit = np.nonzero(predict(name, params, grid) >= goal)[0]
+    return float(grid[hit[0]]) if len(hit) else math.inf
+
+
+def steps_to_reach(pr: Projection, goal: float, start: float, horizon: float) -> Reach:
     """The first step in [``start``, ``horizon``] at which ``pr``'s chosen fit, and each of its
     bootstrap refits, reach ``goal`` (a metric that should rise, e.g. τ or accuracy), with the
-    refits' 10-90 % band. Steps are searched on a geometric grid, so crossings are exact to
-    ~``log(horizon/start)/n_grid`` relative."""
+    refits' 10-90 % band."""
     out = Reach(goal=float(goal), horizon=float(horizon))
     if pr.chosen is None:
         return out
-    grid = np.geomspace(max(float(start), 1.0), float(horizon), n_grid)
-
-    def first(name: str, params: dict[str, float]) -> float:
-        hit = np.nonzero(predict(name, params, grid) >= goal)[0]
-        return float(grid[hit[0]]) if len(hit) else math.inf
-
-    step = first(pr.chosen.name, pr.chosen.params)
+    name = pr.chosen.name
+    step = first_crossing(name, pr.chosen.params, goal, start, horizon)
     out.step = None if math.isinf(step) else step
-    crossings = np.array([first(pr.chosen.name, p) for p in pr.boot] or [step])
+    crossings = np.array([first_crossing(name, p, goal, start, horizon) for p in pr.boot]
+                         or [step])
     out.never = float(np.isinf(crossings).mean())
     lo, hi = (float(np.quantile(crossings, q, method="inverted_cdf")) for q in (0.1, 0.9))
     out.lo = None if math.isinf(lo) else lo
