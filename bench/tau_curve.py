@@ -123,12 +123,13 @@ def main() -> None:
     methods = [k for k in rows[-1] if k not in ("step", "tokens", "lossless")]
     final = args.project_to or 2 * rows[-1]["step"]
     steps = torch.tensor([r["step"] for r in rows], dtype=torch.float64).numpy()
-    projections, reaches, per_model = {}, [], []
+    projections, reaches, per_model, fits = {}, [], [], {}
     step_s = median_step_seconds(args.run)
     last = rows[-1]
     tok_per_step = last["tokens"] / last["step"] if last.get("tokens") else None
     for m in methods:
         pr = project(steps, torch.tensor([r[m] for r in rows]).numpy(), final, metric=f"tau_{m}")
+        fits[m] = pr.fits
         projections[m] = {"value": pr.value, "lo": pr.lo, "hi": pr.hi, "note": pr.note,
                           "model": pr.chosen.name if pr.chosen else None}
         if m in goals:
@@ -171,26 +172,39 @@ def main() -> None:
     write_result(f"tau_curve_{name}", {"runs": [r.name for r in args.run], "rows": rows,
                                        "projections": projections, "reaches": reaches, "per_model": per_model,
                                        "step_s": step_s}, table)
-    _plot(rows, methods, projections, final, RESULTS / f"tau_curve_{name}.png")
+    _plot(rows, methods, projections, fits, goals, final, RESULTS / f"tau_curve_{name}.png")
 
 
-def _plot(rows, methods, projections, final, path: Path) -> None:
+def _plot(rows, methods, projections, fits, goals, final, path: Path) -> None:
+    """Measured τ, every fitted model out to the projected step (chosen one solid), goals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m in methods:
-        ax.plot([r["step"] for r in rows], [r[m] for r in rows], "o-", label=m)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = np.geomspace(rows[0]["step"], final, 200)
+    for i, m in enumerate(methods):
+        color = f"C{i}"
+        ax.plot([r["step"] for r in rows], [r[m] for r in rows], "o", color=color, label=m)
+        for f in fits.get(m, []):
+            chosen = f.name == projections[m]["model"]
+            ax.plot(xs, f.predict(xs), "-" if chosen else ":", color=color, lw=1.5 if chosen else 1,
+                    alpha=0.9 if chosen else 0.6)
+            ax.annotate(f.name, (xs[-1], float(f.predict(xs[-1:])[0])), fontsize=7, color=color,
+                        xytext=(3, 0), textcoords="offset points", va="center")
         p = projections[m]
         if p["value"] is not None:
             ax.errorbar([final], [p["value"]], yerr=[[p["value"] - p["lo"]], [p["hi"] - p["value"]]],
-                        fmt="x", capsize=4, label=f"{m} projected ({p['model']})")
-    ax.set_xlabel("step")
+                        fmt="x", color=color, capsize=4, label=f"{m} projected ({p['model']}, 10-90 %)")
+        if m in goals:
+            ax.axhline(goals[m], color=color, ls="--", lw=1, label=f"{m} goal {goals[m]:g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("optimizer step (log)")
     ax.set_ylabel("real τ")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
