@@ -47,7 +47,7 @@ def checkpoints(run: Path, every: int) -> list[tuple[int, Path]]:
     if last.is_file():
         step = int(safe_load(last).get("global_step", 0))
         # last.ckpt stands for a periodic checkpoint only a few steps before it
-        out = [(s, p) for s, p in out if s > step or step - s >= every / 10 or s == step]
+        out = [(s, p) for s, p in out if not 0 < step - s < every / 10]
         if not out or step > out[-1][0]:
             out.append((step, last))
     return out
@@ -68,11 +68,13 @@ def parse_goals(items: list[str]) -> dict[str, float]:
     """``["chain=3.0"]`` -> {"chain": 3.0}; a one-line error on a malformed item."""
     goals = {}
     for it in items:
-        name, sep, val = it.partition("=")
+        name, _, val = it.partition("=")
         try:
-            goals[name] = float(val) if sep and name else float("x")
+            goals[name] = float(val)
         except ValueError:
-            raise SystemExit(f"--goal {it!r}: expected METHOD=VALUE, e.g. chain=3.0") from None
+            name = ""
+        if not name:
+            raise SystemExit(f"--goal {it!r}: expected METHOD=VALUE, e.g. chain=3.0")
     return goals
 
 

@@ -116,7 +116,6 @@ def test_projection_picks_power_law_and_brackets_truth():
     assert few.chosen is None and few.value is None and "too few points" in few.note
 
 
-
 def test_steps_to_reach_inverts_the_fit_with_a_band():
     rng = np.random.default_rng(2)
     s = np.arange(0, 10_000, 100)
@@ -133,6 +132,7 @@ def test_steps_to_reach_inverts_the_fit_with_a_band():
     assert no.step is None and no.hi is None and no.never > 0.9
     assert steps_to_reach(p, 1.5, start=s[-1], horizon=1e7).step == pytest.approx(s[-1])
     assert steps_to_reach(project(s[:5], tau[:5], 100), 2.0, 4, 1e7).step is None
+
 
 # ---------------------------------------------------------------------------- distribution
 def _mixture(n, rng):
