@@ -21,9 +21,11 @@ from dflash_lit.eval.speculative import (
     ngram_generate,
     ngram_propose,
     suffix_generate,
+    suffix_tree_generate,
     target_greedy,
     tree_generate,
 )
+from dflash_lit.eval.suffix_engine import EngineSuffix, SuffixSettings
 from dflash_lit.tiny.random_targets import tiny_hybrid, tiny_qwen3
 
 V, D, L, BS = 96, 32, 4, 4
@@ -101,10 +103,11 @@ def test_target_greedy_matches_naive(target, prompts):
 
 
 @pytest.mark.parametrize("method", ["chain", "tree4", "tree8", "ngram", "ngram_latest", "suffix",
-                                    "hybrid", "merged"])
+                                    "suffix_tree", "hybrid", "merged"])
 def test_lossless_random_drafter(target, drafter, prompts, method):
     index = SuffixIndex(8)  # a global cache of earlier outputs, as run_evaluation keeps one
-    for p in prompts:
+    engine = EngineSuffix(SuffixSettings(max_tree_depth=8))  # vLLM's cache, shared likewise
+    for n, p in enumerate(prompts):
         for max_new in (1, 2, 23):
             ref = target_greedy(target, p, max_new).tokens
             if method == "chain":
@@ -113,8 +116,10 @@ def test_lossless_random_drafter(target, drafter, prompts, method):
                 r = ngram_generate(target, p, max_new, block_size=BS,
                                    rule="latest" if method.endswith("latest") else "earliest")
             elif method == "suffix":
-                r = suffix_generate(target, p, max_new, block_size=BS, budget=6, global_index=index,
-                                    depth=8)
+                r = suffix_generate(target, p, max_new, engine=engine, request_id=f"{n}-{max_new}")
+            elif method == "suffix_tree":
+                r = suffix_tree_generate(target, p, max_new, block_size=BS, budget=6,
+                                         global_index=index, depth=8)
             elif method in ("hybrid", "merged"):
                 r = hybrid_generate(target, drafter, p, max_new, budget=6, global_index=index,
                                     merge=method == "merged", depth=8)
@@ -123,7 +128,7 @@ def test_lossless_random_drafter(target, drafter, prompts, method):
             assert r.tokens == ref, (method, p, first_mismatch(r.tokens, ref))
             assert len(r.tokens) == max_new
             assert sum(r.acceptance_lengths) + 1 == len(r.tokens)
-            assert all(1 <= t <= BS for t in r.acceptance_lengths)
+            assert all(1 <= t <= (9 if method == "suffix" else BS) for t in r.acceptance_lengths)
             assert r.target_forwards == r.num_steps + 1
             index.extend(ref)
             index.end_sequence()
@@ -165,13 +170,13 @@ def test_model_free_methods_draft_their_own_depth_whatever_the_drafter_block(tar
                                                                             prompts):
     """n-gram and suffix decoding (and the suffix half of the hybrids) draft as deep as their
     own settings say, not the drafter's block - 1: a small-block drafter must not cap them."""
-    s = EvalSettings(methods=["ngram", "suffix", "merged", "hybrid"], budgets=[6],
+    s = EvalSettings(methods=["ngram", "suffix_tree", "merged", "hybrid"], budgets=[6],
                      max_new_tokens=24, ngram_tokens=6, suffix_tree_depth=5, warmup=False)
     rep = run_evaluation(target, drafter, [(f"p{i}", p) for i, p in enumerate(prompts)], s,
                          progress=False)
     m = rep["methods"]
     assert rep["lossless"] and rep["block_size"] == BS == 4
-    assert len(m["ngram"]["slot_accepts"]) == 6 and len(m["suffix"]["slot_accepts"]) == 5
+    assert len(m["ngram"]["slot_accepts"]) == 6 and len(m["suffix_tree"]["slot_accepts"]) == 5
     assert len(m["merged_b6"]["slot_accepts"]) == len(m["hybrid_b6"]["slot_accepts"]) == 5
     # a prompt that repeats itself: its first n-gram draft is as long as the setting allows
     loop = [("loop", list(range(10, 30)) + list(range(10, 13)))]
@@ -181,7 +186,7 @@ def test_model_free_methods_draft_their_own_depth_whatever_the_drafter_block(tar
         rep = run_evaluation(target, drafter, loop, s, progress=False)
         drafted[n] = rep["methods"]["ngram"]["mean_draft_length"] * rep["methods"]["ngram"]["steps"]
     assert drafted[6] - drafted[3] >= 3 - 1e-9
-    with pytest.raises(UserError, match=r"suffix.max_tree_depth=0"):
+    with pytest.raises(UserError, match=r"suffix_tree.max_tree_depth=0"):
         EvalSettings(suffix_tree_depth=0).validate()
 
 

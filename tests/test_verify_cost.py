@@ -14,7 +14,7 @@ from dflash_lit.eval.speculative import (
     chain_generate,
     first_mismatch,
     hybrid_generate,
-    suffix_generate,
+    suffix_tree_generate,
     target_greedy,
     tree_generate,
 )
@@ -83,7 +83,7 @@ def test_trimmed_decoding_is_lossless_and_the_rule_bites(target, drafter):
     runs = {
         "chain": lambda p, t: chain_generate(target, drafter, p, 23, trimmer=t),
         "tree": lambda p, t: tree_generate(target, drafter, p, 23, budget=8, trimmer=t),
-        "suffix": lambda p, t: suffix_generate(target, p, 23, block_size=6, budget=6,
+        "suffix_tree": lambda p, t: suffix_tree_generate(target, p, 23, block_size=6, budget=6,
                                                global_index=index, depth=8, trimmer=t),
         "hybrid": lambda p, t: hybrid_generate(target, drafter, p, 23, budget=8, depth=8,
                                                global_index=index, trimmer=t),

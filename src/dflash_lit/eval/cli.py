@@ -27,6 +27,7 @@ from dflash_lit.eval.report import (
     run_evaluation,
     write_outputs,
 )
+from dflash_lit.eval.suffix_engine import SuffixSettings
 
 log = logging.getLogger("evaluate")
 
@@ -43,16 +44,27 @@ def settings_from_cfg(cfg: DictConfig) -> EvalSettings:
         ngram_n_min=cfg.ngram.n_min,
         ngram_rule=str(cfg.ngram.rule),
         ngram_tokens=cfg.ngram.num_speculative_tokens,
-        suffix_budget=int(cfg.suffix.budget),
-        suffix_tree_depth=cfg.suffix.max_tree_depth,
-        suffix_depth=int(cfg.suffix.depth),
-        suffix_min_prob=float(cfg.suffix.min_prob),
+        suffix=suffix_settings(cfg.suffix),
+        suffix_budget=int(cfg.suffix_tree.budget),
+        suffix_tree_depth=cfg.suffix_tree.max_tree_depth,
+        suffix_depth=int(cfg.suffix_tree.depth),
+        suffix_min_prob=float(cfg.suffix_tree.min_prob),
         offline_streak=bool(cfg.offline_streak),
         warmup=bool(cfg.warmup),
         trim_drafts=bool(cfg.trim_drafts),
     )
     s.validate()
     return s
+
+
+def suffix_settings(node: DictConfig) -> SuffixSettings:
+    """vLLM's suffix decoding settings from the ``suffix`` config group."""
+    n = node.num_speculative_tokens
+    return SuffixSettings(max_tree_depth=int(node.max_tree_depth),
+                          num_speculative_tokens=None if n is None else int(n),
+                          max_spec_factor=float(node.max_spec_factor),
+                          min_token_prob=float(node.min_token_prob),
+                          max_cached_requests=int(node.max_cached_requests))
 
 
 def resolve_device(device: str) -> torch.device:
@@ -167,6 +179,101 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> int:
     report["rendering"] = {**renderer.settings(), "tokenizer": cfg.tokenizer or target_path,
                            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
     report["config"] = OmegaConf.to_container(cfg, resolve=True)
+    return _write_and_check(cfg, report, out_dir, dtype == torch.float32)
+
+
+def target_dims_from_config(path: str) -> dict[str, int]:
+    """hidden_size / num_layers / vocab_size from the target's config (no weights loaded)."""
+    from transformers import AutoConfig
+
+    from dflash_lit.hf import text_config
+
+    text = text_config(AutoConfig.from_pretrained(path))
+    return {"hidden_size": int(text.hidden_size), "num_layers": int(text.num_hidden_layers),
+            "vocab_size": int(text.vocab_size)}
+
+
+def stop_ids_from_config(cfg: DictConfig, tokenizer: Any, target_path: str) -> list[int]:
+    """``eos_ids_for`` with the target's configs standing in for the model."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(target_path)
+    except OSError:
+        gen = None
+    return eos_ids_for(cfg, tokenizer, SimpleNamespace(generation_config=gen,
+                                                       config=AutoConfig.from_pretrained(target_path)))
+
+
+def evaluate_in_engine(cfg: DictConfig, out_dir: str | Path) -> int:
+    """``engine=vllm``: the same prompts, rendering and outputs, served by vLLM."""
+    from transformers import AutoTokenizer
+
+    from dflash_lit.eval.vllm_engine import (
+        EngineError,
+        EngineSettings,
+        check_installed,
+        run_engine_evaluation,
+    )
+    from dflash_lit.export.zlab import export_zlab
+
+    check_installed()
+    settings = settings_from_cfg(cfg)
+    engine = EngineSettings(concurrency=[int(c) for c in cfg.vllm.concurrency],
+                            max_model_len=int(cfg.vllm.max_model_len),
+                            memory_fraction=float(cfg.vllm.memory_fraction),
+                            timeout_s=float(cfg.vllm.timeout_s),
+                            extra_args=OmegaConf.to_container(cfg.vllm.extra_args, resolve=True) or {})
+    engine.validate()
+    if cfg.draft_vocab or cfg.trim_drafts:
+        raise UserError("draft_vocab / trim_drafts: vLLM serves neither; use engine=inprocess")
+    prompts = load_prompts(cfg.prompts, cfg.prompts_path, cfg.prompts_field, cfg.limit)
+    dtype = "float32" if str(cfg.dtype) == "auto" else str(cfg.dtype)
+    parse_dtype(dtype, "dtype")
+    out = Path(out_dir)
+    with input_checks():
+        drafter, info = load_drafter(cfg.ckpt, cfg.drafter, trust=cfg.trust_checkpoint)
+        target_path = resolve_target_path(cfg, info.target)
+        dims = check_compatible(drafter.config, target_dims_from_config(target_path),
+                                f"drafter {cfg.ckpt} and the served target {target_path}")
+        tok_where = f"tokenizer={cfg.tokenizer or target_path}"
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or target_path)
+        check_tokenizer_fits(tokenizer, dims["vocab_size"], tok_where,
+                             "pass tokenizer=<the target's tokenizer dir> (default: the target dir)")
+        renderer = make_renderer(cfg, tokenizer, tok_where)
+        encoded = [(p.id, renderer.ids(p)) for p in prompts]
+        if info.source == "zlab":
+            drafter_dir = str(Path(cfg.ckpt).resolve())
+        else:  # a training checkpoint: exported next to the report, as vLLM reads it
+            drafter_dir = str((out / "drafter").resolve())
+            export_zlab(cfg.ckpt, drafter_dir, name=cfg.drafter, trust=cfg.trust_checkpoint)
+    eos = stop_ids_from_config(cfg, tokenizer, target_path)
+    bs = int(settings.block_size or drafter.config.block_size)
+    del drafter
+    log.info("vLLM: target %s, drafter %s, %d prompts, concurrency %s", target_path, drafter_dir,
+             len(encoded), engine.concurrency)
+    try:
+        report = run_engine_evaluation(target_path, cfg.tokenizer or target_path, drafter_dir,
+                                       encoded, settings, engine, eos, dtype, bs,
+                                       out / "engine_runs", progress=bool(cfg.progress))
+    except EngineError as e:
+        log.error("%s", e)
+        return 3
+    report["drafter"] = {**info.to_dict(), "served_from": drafter_dir}
+    report["target"] = {"path": target_path, **dims, "eos_ids": eos, "dtype": dtype,
+                        "device": "vllm"}
+    report["prompts"] = {"set": cfg.prompts, "path": cfg.prompts_path, "limit": cfg.limit}
+    report["rendering"] = {**renderer.settings(), "tokenizer": cfg.tokenizer or target_path,
+                           "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+    report["config"] = OmegaConf.to_container(cfg, resolve=True)
+    return _write_and_check(cfg, report, out, dtype == "float32")
+
+
+def _write_and_check(cfg: DictConfig, report: dict[str, Any], out_dir: str | Path,
+                     float32: bool) -> int:
+    """Write the outputs, print the summary; 1 when a method is not lossless."""
     paths = write_outputs(report, out_dir, plot=bool(cfg.plot))
     print(Path(paths["summary"]).read_text())
     log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
@@ -174,10 +281,10 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> int:
         check_lossless(report)
     except LosslessError as e:
         log.error("%s", e)
-        if dtype != torch.float32:
+        if not float32:
             log.error("dtype=%s: a near-tie in the target's logits can flip between a batched "
                       "verify pass and one-token decoding; rerun with dtype=float32 to tell "
-                      "numerics from a bug", str(dtype).removeprefix("torch."))
+                      "numerics from a bug", cfg.dtype)
         return 1 if cfg.fail_on_mismatch else 0
     return 0
 
@@ -186,4 +293,9 @@ def main(cfg: DictConfig) -> int:
     """The body of ``evaluate.py``: outputs go to ``out`` or the Hydra run directory."""
     from hydra.core.hydra_config import HydraConfig
 
-    return evaluate(cfg, cfg.out or HydraConfig.get().runtime.output_dir)
+    out = cfg.out or HydraConfig.get().runtime.output_dir
+    if cfg.engine == "vllm":
+        return evaluate_in_engine(cfg, out)
+    if cfg.engine != "inprocess":
+        raise UserError(f"engine={cfg.engine!r}: choose inprocess or vllm")
+    return evaluate(cfg, out)

@@ -27,17 +27,19 @@ from dflash_lit.eval.speculative import (
     hybrid_generate,
     ngram_generate,
     suffix_generate,
+    suffix_tree_generate,
     target_greedy,
     tree_generate,
 )
+from dflash_lit.eval.suffix_engine import EngineSuffix, SuffixSettings
 from dflash_lit.eval.target_runner import TargetRunner
 from dflash_lit.eval.verify_cost import Trimmer
 from dflash_lit.eval.verify_cost import measure as measure_verify_cost
 from dflash_lit.model.drafter import DFlashDrafter
 
-METHODS = ("chain", "tree", "ngram", "suffix", "hybrid", "merged", "baseline")
-MODEL_FREE = ("ngram", "suffix")  # the baselines a user gets without training anything
-SUFFIX_KEYS = ("suffix", "hybrid", "merged")  # methods that keep a global suffix index
+METHODS = ("chain", "tree", "ngram", "suffix", "suffix_tree", "hybrid", "merged", "baseline")
+MODEL_FREE = ("ngram", "suffix", "suffix_tree")  # the baselines a user gets without training anything
+TREE_SUFFIX_KEYS = ("suffix_tree", "hybrid", "merged")  # methods that keep a global SuffixIndex
 
 
 class LosslessError(RuntimeError):
@@ -57,10 +59,11 @@ class EvalSettings:
     ngram_n_min: int = 1
     ngram_rule: str = "earliest"  # vLLM's; "latest" = the most recent occurrence
     ngram_tokens: int = 15  # n-gram tokens drafted per step (vLLM num_speculative_tokens)
-    suffix_budget: int = 16  # suffix decoding: draft tree nodes per step
-    suffix_tree_depth: int = 15  # deepest suffix draft node, also the suffix half of hybrids
-    suffix_depth: int = 32  # longest substring the suffix indexes count
-    suffix_min_prob: float = 0.1  # drop draft nodes whose path probability is below this
+    suffix: SuffixSettings = field(default_factory=SuffixSettings)  # vLLM's suffix decoding
+    suffix_budget: int = 16  # suffix_tree: draft tree nodes per step
+    suffix_tree_depth: int = 15  # suffix_tree: deepest draft node, also the suffix half of hybrids
+    suffix_depth: int = 32  # suffix_tree: longest substring the suffix indexes count
+    suffix_min_prob: float = 0.1  # suffix_tree: drop draft nodes whose path probability is below this
     offline_streak: bool = False
     warmup: bool = True
     trim_drafts: bool = False  # per step, verify only the draft prefix worth this machine's verify cost
@@ -87,9 +90,10 @@ class EvalSettings:
             raise UserError(f"block_size={self.block_size}: need >= 2 (anchor + one draft) or null")
         if self.ngram_rule not in NGRAM_RULES:
             raise UserError(f"ngram.rule={self.ngram_rule!r}: choose one of {list(NGRAM_RULES)}")
+        self.suffix.validate()
         if self.suffix_budget < 1 or self.suffix_depth < 2 or not 0 < self.suffix_min_prob <= 1:
             raise UserError(
-                f"suffix: budget={self.suffix_budget}, depth={self.suffix_depth}, min_prob="
+                f"suffix_tree: budget={self.suffix_budget}, depth={self.suffix_depth}, min_prob="
                 f"{self.suffix_min_prob}: need budget >= 1, depth >= 2, 0 < min_prob <= 1"
             )
         if not 1 <= self.ngram_n_min <= self.ngram_n_max:
@@ -97,7 +101,7 @@ class EvalSettings:
                 f"ngram n_min={self.ngram_n_min}, n_max={self.ngram_n_max}: need 1 <= n_min <= n_max"
             )
         for key, v in (("ngram.num_speculative_tokens", self.ngram_tokens),
-                       ("suffix.max_tree_depth", self.suffix_tree_depth)):
+                       ("suffix_tree.max_tree_depth", self.suffix_tree_depth)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UserError(f"{key}={v!r}: tokens drafted per step, must be an int >= 1")
 
@@ -112,10 +116,12 @@ class EvalSettings:
 
 
 def _run_method(key, target, drafter, ids, s: EvalSettings, eos, bs, max_new,
-                index: SuffixIndex | None = None,
+                index: SuffixIndex | EngineSuffix | None = None,
                 vocab: torch.Tensor | None = None,
-                trimmer: Trimmer | None = None) -> GenerationResult:
-    """One method on one prompt; ``index``: the suffix methods' global index of earlier outputs;
+                trimmer: Trimmer | None = None,
+                request_id: str = "0") -> GenerationResult:
+    """One method on one prompt; ``index``: the suffix methods' global state of earlier
+    outputs (``suffix``: the engine's cache, the others: a ``SuffixIndex``);
     ``vocab``: the drafter's draft vocabulary (None: the full vocab); ``trimmer``: the
     method's cost rule (``verify_cost``; None: verify whole drafts)."""
     if key == "chain":
@@ -124,10 +130,13 @@ def _run_method(key, target, drafter, ids, s: EvalSettings, eos, bs, max_new,
     if key == "ngram":
         return ngram_generate(target, ids, max_new, eos, block_size=s.ngram_tokens + 1,
                               n_max=s.ngram_n_max, n_min=s.ngram_n_min, rule=s.ngram_rule)
-    suffix = {"depth": s.suffix_depth, "min_prob": s.suffix_min_prob, "global_index": index}
     if key == "suffix":
-        return suffix_generate(target, ids, max_new, eos, block_size=s.suffix_tree_depth + 1,
-                               budget=s.suffix_budget, trimmer=trimmer, **suffix)
+        return suffix_generate(target, ids, max_new, eos, engine=index or EngineSuffix(s.suffix),
+                               request_id=request_id)
+    suffix = {"depth": s.suffix_depth, "min_prob": s.suffix_min_prob, "global_index": index}
+    if key == "suffix_tree":
+        return suffix_tree_generate(target, ids, max_new, eos, block_size=s.suffix_tree_depth + 1,
+                                    budget=s.suffix_budget, trimmer=trimmer, **suffix)
     method, budget = key.rsplit("_b", 1)
     if method == "tree":
         return tree_generate(target, drafter, ids, max_new, int(budget), eos,
@@ -161,7 +170,7 @@ def run_evaluation(
     cost = None
     if settings.trim_drafts and prompts:  # this machine's verify cost, once per evaluation
         cost = measure_verify_cost(TargetRunner(target), prompts[0][1])
-    trimmers = {k: Trimmer(cost) for k in keys if cost is not None and k != "ngram"}
+    trimmers = {k: Trimmer(cost) for k in keys if cost is not None and k not in ("ngram", "suffix")}
     if settings.warmup and prompts:  # first-call costs (allocator, kernels) off the clock
         ids = prompts[0][1]
         target_greedy(target, ids, min(8, settings.max_new_tokens), eos)
@@ -169,8 +178,12 @@ def run_evaluation(
             _run_method(k, target, drafter, ids, settings, eos, bs, min(8, settings.max_new_tokens),
                         vocab=draft_vocab, trimmer=Trimmer(cost) if k in trimmers else None)
     results: dict[str, list[GenerationResult]] = {k: [] for k in ["baseline", *keys]}
-    # suffix methods also draft from the outputs already served (a global cache), per method
-    indexes = {k: SuffixIndex(settings.suffix_depth) for k in keys if k.startswith(SUFFIX_KEYS)}
+    # suffix methods also draft from the outputs already served (a global cache), per method;
+    # ``suffix`` keeps the engine's own cache, which records each response as it is generated
+    indexes: dict[str, SuffixIndex | EngineSuffix] = {
+        k: SuffixIndex(settings.suffix_depth) for k in keys if k.startswith(TREE_SUFFIX_KEYS)}
+    if "suffix" in keys:
+        indexes["suffix"] = EngineSuffix(settings.suffix)
     per_prompt: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []
     offline: list[Any] = []
@@ -180,13 +193,13 @@ def run_evaluation(
         from tqdm.auto import tqdm
 
         it = tqdm(prompts, desc="evaluate", unit="prompt")
-    for pid, ids in it:
+    for n, (pid, ids) in enumerate(it):
         ref = target_greedy(target, ids, settings.max_new_tokens, eos)
         results["baseline"].append(ref)
         row: dict[str, Any] = {"id": pid, "prompt_tokens": len(ids), "generated_tokens": len(ref.tokens)}
         for k in keys:
             r = _run_method(k, target, drafter, ids, settings, eos, bs, settings.max_new_tokens,
-                            indexes.get(k), draft_vocab, trimmers.get(k))
+                            indexes.get(k), draft_vocab, trimmers.get(k), request_id=str(n))
             results[k].append(r)
             row[k] = r.acceptance_lengths
             pos = first_mismatch(r.tokens, ref.tokens)
@@ -197,8 +210,9 @@ def run_evaluation(
                     "got": r.tokens[pos] if pos < len(r.tokens) else None,
                 })
         for index in indexes.values():
-            index.extend(ref.tokens)
-            index.end_sequence()
+            if isinstance(index, SuffixIndex):
+                index.extend(ref.tokens)
+                index.end_sequence()
         if settings.offline_streak:
             off = offline_streak(target, drafter, ids, ref.tokens, block_size=bs)
             offline.append(off)
@@ -232,7 +246,7 @@ def run_evaluation(
             "slot_acc": [c / v if v else None for c, v in zip(correct, valid)],
             "tau_chain": report["tau_chain"],
         }
-    return _clean(report)
+    return strict_json(report)
 
 
 def best_model_free(methods: dict[str, Any]) -> str | None:
@@ -274,14 +288,14 @@ def summarize(rs: list[GenerationResult], baseline: list[GenerationResult]) -> d
     }
 
 
-def _clean(obj: Any) -> Any:
+def strict_json(obj: Any) -> Any:
     """NaN/inf -> None so report.json is strict JSON."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
+        return {k: strict_json(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_clean(v) for v in obj]
+        return [strict_json(v) for v in obj]
     return obj
 
 
@@ -328,6 +342,11 @@ def summary_markdown(report: dict[str, Any]) -> str:
         + ("" if report["lossless"] else f" ({len(report['mismatches'])} mismatches)"),
         "",
     ]
+    eng = report.get("engine")
+    if eng:
+        lines += [f"- served by **{eng['name']} {eng['version']}** ({eng['dtype']}; every method "
+                  "in a fresh engine; chain = vLLM's dflash method with the exported drafter); "
+                  f"tokens/s below at concurrency {eng['tokens_per_s_measured_at']}", ""]
     best = report.get("best_model_free")
     ref = report["methods"].get(best) if best else None
     if best:
@@ -356,6 +375,15 @@ def summary_markdown(report: dict[str, Any]) -> str:
         for k in slot_methods:
             rates = report["methods"][k]["slot_accept_rate"]
             lines.append(f"| {k} | " + " | ".join(_fmt(r) for r in rates) + " |")
+    if eng and len(eng["concurrency"]) > 1:
+        lines += ["", "Tokens/s by requests in flight (speedup over the engine without speculation):",
+                  "", "| method | " + " | ".join(f"concurrency {c}" for c in eng["concurrency"]) + " |",
+                  "|---|" + "---|" * len(eng["concurrency"])]
+        for k in report["methods"]:
+            cells = [eng["concurrency"][c].get(k) for c in eng["concurrency"]]
+            lines.append(f"| {k} | " + " | ".join(
+                "-" if c is None else f"{_fmt(c['tokens_per_s'], 1)} ({_fmt(c['speedup'])}x)"
+                for c in cells) + " |")
     off = report.get("offline")
     if off:
         lines += ["", f"Offline (teacher-forced, every anchor): streak {_fmt(off['streak'])}, "

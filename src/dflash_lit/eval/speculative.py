@@ -16,7 +16,10 @@ Methods:
 - ``tree_generate``: DDTree over the block's per-slot top-k, verified in one forward with an
   ancestor-only 4D mask; only the accepted path's K/V are kept.
 - ``ngram_generate``: prompt-lookup drafting (vLLM's rule by default), chain verification.
-- ``suffix_generate``: suffix decoding (``model_free``), tree verification.
+- ``suffix_generate``: suffix decoding as vLLM runs it (``suffix_engine``: arctic-inference's
+  cache, one path per step), chain verification.
+- ``suffix_tree_generate``: the project's tree-shaped suffix decoding (``model_free``), tree
+  verification.
 - ``hybrid_generate``: per step the suffix draft when its score (expected accepted tokens
   under its counts, calibrated by its record in the request) reaches the drafter's mean
   accepted tokens so far in the request, else
@@ -47,6 +50,7 @@ from dflash_lit.eval.ddtree import (
     tree_position_ids,
 )
 from dflash_lit.eval.model_free import SuffixIndex, merge_trees, ngram_propose, suffix_draft
+from dflash_lit.eval.suffix_engine import EngineSuffix
 from dflash_lit.eval.target_runner import (
     MASK_CAPABLE_ATTN,
     TargetRunner,
@@ -294,12 +298,14 @@ class _Decode:
             self.cache = None  # recurrent state cannot roll back: recompute from scratch
         self.result.target_forwards += 1
         self.observe(out.hidden)
-        self._emit([int(out.logits[-1].argmax())])
+        self.step_tokens = [int(out.logits[-1].argmax())]
+        self._emit(self.step_tokens)
 
     def _emit(self, new: list[int]) -> int:
-        """Append tokens, cutting after the first EOS; returns how many were kept."""
+        """Append tokens, cutting after the first EOS and at ``max_new_tokens``; returns how
+        many were kept."""
         kept = []
-        for t in new:
+        for t in new[: self.remaining]:
             kept.append(t)
             if t in self.eos:
                 self.done = True
@@ -331,7 +337,8 @@ class _Decode:
         if not self.recompute:
             drop_last(self.cache, len(drafts) - a)  # keep the root + a accepted drafts
         self.observe(hidden[:, : a + 1] if hidden is not None else None)
-        tau = self._emit(drafts[:a] + [choice[a]])
+        self.step_tokens = drafts[:a] + [choice[a]]  # before the cut at EOS / max_new_tokens
+        tau = self._emit(self.step_tokens)
         self._record(min(a, tau), tau, len(drafts))
         return a, tau
 
@@ -534,8 +541,8 @@ def _verify_tree(st: _Decode, tree: Any) -> int:
     rows = [0] + [p + 1 for p in path]
     keep_tail_rows(st.cache, past, rows)  # drop rejected branches, keep root + accepted path
     st.observe(out.hidden[:, rows] if out.hidden is not None else None)
-    new = tree.token_ids[path].tolist() + [choice[rows[-1]]]
-    tau = st._emit(new)
+    st.step_tokens = tree.token_ids[path].tolist() + [choice[rows[-1]]]
+    tau = st._emit(st.step_tokens)
     st._record(min(len(path), tau), tau, tree.num_nodes)
     return len(path)
 
@@ -567,6 +574,37 @@ def suffix_generate(
     prompt_ids: Sequence[int] | Tensor,
     max_new_tokens: int,
     eos_ids: int | Iterable[int] | None = None,
+    engine: EngineSuffix | None = None,
+    request_id: str = "0",
+) -> GenerationResult:
+    """Suffix decoding as vLLM's method ``suffix`` runs it: per step one drafted path from
+    ``engine`` (the prompt tree and the global tree of responses served by the same engine;
+    a fresh one when None), chain verification. Like the engine, the cache receives each
+    step's whole accepted tokens, past EOS or ``max_new_tokens`` too, and the drafts are
+    capped by ``num_speculative_tokens`` only."""
+    _check_max_new(max_new_tokens)
+    engine = engine or EngineSuffix()
+    runner = target if isinstance(target, TargetRunner) else TargetRunner(target)
+    prompt = _prompt_list(prompt_ids)
+    engine.start(request_id, prompt)
+
+    def step(st: _Decode) -> None:
+        st.verify_chain(engine.propose(request_id, st.step_tokens, st.tokens))
+
+    st = _Decode(runner, prompt, max_new_tokens, _eos_set(eos_ids), engine.settings.spec_tokens,
+                 "suffix", lambda hidden: None)
+    res = _run(st, step)
+    engine.propose(request_id, st.step_tokens, st.tokens)  # the engine's call after the last step
+    engine.stop(request_id)
+    return res
+
+
+@torch.no_grad()
+def suffix_tree_generate(
+    target: nn.Module,
+    prompt_ids: Sequence[int] | Tensor,
+    max_new_tokens: int,
+    eos_ids: int | Iterable[int] | None = None,
     block_size: int = 16,
     budget: int = 16,
     global_index: SuffixIndex | None = None,
@@ -574,7 +612,7 @@ def suffix_generate(
     min_prob: float = 0.1,
     trimmer: Trimmer | None = None,
 ) -> GenerationResult:
-    """Suffix decoding: a draft tree (``budget`` nodes, ``block_size - 1`` deep) from the
+    """Tree-shaped suffix decoding: a draft tree (``budget`` nodes, ``block_size - 1`` deep) from the
     request's own suffix index and ``global_index`` (earlier outputs), verified in one pass
     (``trimmer``: its best-first prefix worth the verify cost, ``verify_cost``)."""
     _check_max_new(max_new_tokens)
@@ -584,7 +622,7 @@ def suffix_generate(
     indexes = [local] + ([global_index] if global_index is not None else [])
 
     def step(st: _Decode) -> None:
-        _needs_kv_cache(st, "suffix")
+        _needs_kv_cache(st, "suffix_tree")
         local.extend(st.tokens[local.length:])
         d = min(slots, st.remaining - 1)
         t0 = time.perf_counter()
@@ -595,7 +633,7 @@ def suffix_generate(
             _verify_trimmed(st, tree, trimmer, time.perf_counter() - t0)
 
     st = _Decode(runner, _prompt_list(prompt_ids), max_new_tokens, _eos_set(eos_ids), slots,
-                 "suffix", lambda hidden: None)
+                 "suffix_tree", lambda hidden: None)
     return _run(st, step)
 
 
