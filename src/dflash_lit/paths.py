@@ -38,10 +38,11 @@ def repo_relative(value: Any, root: str | Path | None = None) -> Any:
     if isinstance(value, str) and value.startswith("/"):
         path = Path(value)
         for anchor, name in ((base, None), (cache_root().resolve(), "$DFLASH_CACHE")):
-            try:
-                rel = path.relative_to(anchor)
-            except ValueError:
-                continue
-            return str(rel) if name is None else f"{name}/{rel}"
+            for p in (path, path.resolve()):  # as given, then through symlinks
+                try:
+                    rel = p.relative_to(anchor)
+                except ValueError:
+                    continue
+                return str(rel) if name is None else f"{name}/{rel}"
         return value  # outside the repository and the cache: keep as given
     return value

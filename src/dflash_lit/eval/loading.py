@@ -7,6 +7,7 @@ Two sources:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from dflash_lit.checkpoint import drafter_state, read
 from dflash_lit.errors import UserError
 from dflash_lit.model.config import DFlashConfig
 from dflash_lit.model.drafter import CONFIG_NAME, DFlashDrafter
+from dflash_lit.paths import repo_root
 
 
 @dataclass
@@ -78,7 +80,7 @@ def load_drafter(
                 "(config.json + model.safetensors) or a training .ckpt file"
             )
         drafter = DFlashDrafter.from_pretrained(p, dtype=dtype, device=device)
-        return drafter.eval(), DrafterInfo(source="zlab", path=str(p))
+        return drafter.eval(), DrafterInfo(source="zlab", path=str(p), target=_recorded_target(p))
     ckpt, meta = read(p, trust)
     chosen, names = _pick_name(meta, name, str(p))
     entry = meta["drafters"][chosen]
@@ -101,6 +103,19 @@ def load_drafter(
         train_vocab=meta.get("train_vocab"),
     )
     return drafter.eval(), info
+
+
+def _recorded_target(drafter_dir: Path) -> dict[str, Any]:
+    """The target an export recorded (``dflash_target`` in its config.json; {} for a z-lab
+    directory from elsewhere). A repository-relative path is made absolute when it exists."""
+    try:
+        target = dict(json.loads((drafter_dir / CONFIG_NAME).read_text()).get("dflash_target") or {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    path = target.get("path")
+    if path and not Path(path).is_absolute() and (Path(repo_root()) / path).exists():
+        target["path"] = str(Path(repo_root()) / path)
+    return target
 
 
 def _common_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:

