@@ -5,7 +5,8 @@
         --eval-overrides target=smollm2 dtype=bfloat16
 
 Runs ``evaluate.py`` once with every method (drafter chain and DDTree, n-gram with vLLM's
-rule, suffix decoding, the two drafter + suffix hybrids) and once more for n-gram with the
+rule, suffix decoding as vLLM runs it, the project's tree-shaped suffix decoding, the two
+drafter + suffix hybrids) and once more for n-gram with the
 earlier "latest occurrence" rule, on one prompt set (lossless checked), and writes
 ``bench/results/<name>.{json,md}``: τ and tokens/s per method, each against the strongest
 model-free method of the same run. An evaluation already written is read back.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from common import REPO, fmt_table, write_result
 
-METHODS = "[chain,tree,ngram,suffix,hybrid,merged,baseline]"
+METHODS = "[chain,tree,ngram,suffix,suffix_tree,hybrid,merged,baseline]"
 
 
 def evaluate(out: Path, ckpt: str, prompts: str, limit: int, max_new: int, budget: int,

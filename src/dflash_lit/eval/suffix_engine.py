@@ -64,15 +64,21 @@ class SuffixSettings:
         }
 
 
-def _cache_class():
+def _cache_class(where: str = "method suffix"):
+    """arctic-inference's cache class; one line naming ``where`` and the install when missing."""
     try:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
     except ImportError:
         raise UserError(
-            "method suffix runs arctic-inference's SuffixDecodingCache (as vLLM does), which is "
-            f"not installed: {INSTALL_HINT}"
+            f"{where}: suffix decoding runs arctic-inference's SuffixDecodingCache (as vLLM "
+            f"does), which is not installed: bash scripts/install_engine.sh, or {INSTALL_HINT}"
         ) from None
     return SuffixDecodingCache
+
+
+def require_cache(where: str) -> None:
+    """Fail now, in one line, if suffix decoding cannot run (e.g. before training starts)."""
+    _cache_class(where)
 
 
 class EngineSuffix:

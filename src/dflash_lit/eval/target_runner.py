@@ -9,14 +9,13 @@ each ``DynamicLayer``'s keys/values in place.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from dflash_lit.model.target import FrozenTarget
+from dflash_lit.model.target import FrozenTarget, cache_kwarg
 
 # Attention implementations that honour an arbitrary 4D additive mask (tree verification).
 MASK_CAPABLE_ATTN = ("sdpa", "eager")
@@ -42,9 +41,7 @@ class TargetRunner:
         model = target.model if isinstance(target, FrozenTarget) else target
         self.model = model.eval()
         self.capture = FrozenTarget(model, list(layer_ids)) if layer_ids else None
-        params = inspect.signature(model.forward).parameters
-        # transformers 5.24 renamed past_key_values -> cache (old name deprecated until 5.40).
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = cache_kwarg(model)
         emb = model.get_input_embeddings()
         self.embed_tokens = emb
         self.lm_head = model.get_output_embeddings()

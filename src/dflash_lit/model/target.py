@@ -143,6 +143,7 @@ class FrozenTarget(_FrozenHeads):
     def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
         super().__init__()
         self.model = model
+        self.cache_kw = cache_kwarg(model)
         decoder, layers = find_decoder_layers(model)
         # Plain attributes, not submodules: they already live inside self.model, and registering
         # them again would duplicate every weight under a second name in state_dict().
@@ -229,6 +230,8 @@ class FrozenTarget(_FrozenHeads):
         captured: dict[int, torch.Tensor] = {}
         deepest = max(self.layer_ids)
         use_cache = bool(model_kwargs.pop("use_cache", False))
+        if "cache" in model_kwargs:  # the model's own name for it (renamed in transformers 5.24)
+            model_kwargs[self.cache_kw] = model_kwargs.pop("cache")
         # A partial forward would leave a half-filled cache behind: only stop early without one.
         stop_early = not need_logits and not use_cache and deepest < last
 
@@ -350,6 +353,14 @@ class TargetHeads(_FrozenHeads):
     def forward(self, *args: Any, **kwargs: Any) -> TargetOutput:
         raise RuntimeError("this target was loaded without its decoder layers (features=cache): "
                            "its features come from the cache, not from a forward")
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The keyword ``model.forward`` takes its KV cache by: transformers 5.24 renamed
+    ``past_key_values`` to ``cache`` (vLLM's CPU build pins transformers < 5.20)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def read_safetensors(path: str | Path, want) -> dict[str, torch.Tensor]:

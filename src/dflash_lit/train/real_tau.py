@@ -91,6 +91,12 @@ class RealAcceptance(Callback):
         return self._prompts
 
     # ------------------------------------------------------------------ hooks
+    def on_fit_start(self, trainer, pl_module) -> None:
+        from dflash_lit.eval.suffix_engine import require_cache
+
+        # the suffix baseline needs arctic-inference: say so before the first step, not at step N
+        require_cache("callbacks.real_tau (drop it with ~callbacks.real_tau)")
+
     def on_train_start(self, trainer, pl_module) -> None:
         self._start = time.time()
         self._spent = 0.0
