@@ -77,3 +77,16 @@ def test_an_engine_that_dies_or_hangs_fails_the_evaluation_without_a_report(tmp_
     assert not (tmp_path / "w" / "chain_c1.result.json").exists()
     with pytest.raises(EngineError, match=r"ran past vllm.timeout_s=0.5; stopped it"):
         run_worker(job, tmp_path / "w", "slow_c1", timeout_s=0.5, progress=False)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
+def test_model_free_methods_need_no_drafter_but_a_target(tmp_path):
+    from dflash_lit.eval.cli import evaluate_in_engine
+
+    cfg = _cfg(methods=["ngram"])
+    cfg.ckpt = "???"  # unset: the model-free methods run without a drafter
+    with pytest.raises(UserError, match=r"no target: .*pass target=<HF dir or hub id>"):
+        evaluate_in_engine(cfg, tmp_path)
+    cfg.methods = ["chain"]
+    with pytest.raises(Exception, match="ckpt"):  # chain needs the drafter: Hydra's missing value
+        evaluate_in_engine(cfg, tmp_path)

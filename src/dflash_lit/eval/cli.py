@@ -233,25 +233,33 @@ def evaluate_in_engine(cfg: DictConfig, out_dir: str | Path) -> int:
     dtype = "float32" if str(cfg.dtype) == "auto" else str(cfg.dtype)
     parse_dtype(dtype, "dtype")
     out = Path(out_dir)
+    # the model-free methods need no drafter: ckpt may stay unset without chain
+    with_drafter = "chain" in settings.methods or not OmegaConf.is_missing(cfg, "ckpt")
     with input_checks():
-        drafter, info = load_drafter(cfg.ckpt, cfg.drafter, trust=cfg.trust_checkpoint)
-        target_path = resolve_target_path(cfg, info.target)
-        dims = check_compatible(drafter.config, target_dims_from_config(target_path),
-                                f"drafter {cfg.ckpt} and the served target {target_path}")
+        if with_drafter:
+            drafter, info = load_drafter(cfg.ckpt, cfg.drafter, trust=cfg.trust_checkpoint)
+            target_path = resolve_target_path(cfg, info.target)
+            dims = check_compatible(drafter.config, target_dims_from_config(target_path),
+                                    f"drafter {cfg.ckpt} and the served target {target_path}")
+        else:
+            info = None
+            target_path = resolve_target_path(cfg, {})
+            dims = target_dims_from_config(target_path)
         tok_where = f"tokenizer={cfg.tokenizer or target_path}"
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or target_path)
         check_tokenizer_fits(tokenizer, dims["vocab_size"], tok_where,
                              "pass tokenizer=<the target's tokenizer dir> (default: the target dir)")
         renderer = make_renderer(cfg, tokenizer, tok_where)
         encoded = [(p.id, renderer.ids(p)) for p in prompts]
-        if info.source == "zlab":
+        if info is None:
+            drafter_dir = None
+        elif info.source == "zlab":
             drafter_dir = str(Path(cfg.ckpt).resolve())
         else:  # a training checkpoint: exported next to the report, as vLLM reads it
             drafter_dir = str((out / "drafter").resolve())
             export_zlab(cfg.ckpt, drafter_dir, name=cfg.drafter, trust=cfg.trust_checkpoint)
     eos = stop_ids_from_config(cfg, tokenizer, target_path)
-    bs = int(settings.block_size or drafter.config.block_size)
-    del drafter
+    bs = int(settings.block_size or (drafter.config.block_size if info else 16))
     log.info("vLLM: target %s, drafter %s, %d prompts, concurrency %s", target_path, drafter_dir,
              len(encoded), engine.concurrency)
     try:
@@ -261,7 +269,7 @@ def evaluate_in_engine(cfg: DictConfig, out_dir: str | Path) -> int:
     except EngineError as e:
         log.error("%s", e)
         return 3
-    report["drafter"] = {**info.to_dict(), "served_from": drafter_dir}
+    report["drafter"] = None if info is None else {**info.to_dict(), "served_from": drafter_dir}
     report["target"] = {"path": target_path, **dims, "eos_ids": eos, "dtype": dtype,
                         "device": "vllm"}
     report["prompts"] = {"set": cfg.prompts, "path": cfg.prompts_path, "limit": cfg.limit}
