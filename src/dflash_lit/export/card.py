@@ -71,10 +71,22 @@ def _engine_section(report: dict[str, Any], drafter_dir: str) -> str:
     cfg = report.get("config") or {}
     cmd = (f"python evaluate.py engine=vllm ckpt={drafter_dir} prompts={p['set']}"
            + (f" limit={p['limit']}" if p.get("limit") else "")
-           + f" max_new_tokens={s['max_new_tokens']} dtype={eng['dtype']}")
+           + f" max_new_tokens={s['max_new_tokens']} dtype={eng['dtype']}"
+           + f" 'methods=[{','.join(k for k in m if k != 'baseline')}]'"
+           + f" 'vllm.concurrency=[{','.join(str(c) for c in eng['concurrency'])}]'")
     if cfg.get("target"):
         cmd += f" target={repo_relative(cfg['target'])}"
     lossless = "yes" if report["lossless"] else f"NO ({len(report['mismatches'])} mismatches)"
+    more = []
+    for c, by in eng["concurrency"].items():
+        if str(c) == str(eng["tokens_per_s_measured_at"]):
+            continue
+        cells = ", ".join(f"{names[k].strip('*')} {by[k]['tokens_per_s']:.1f} ({by[k]['speedup']:.2f}x)"
+                          for k in ("chain", "ngram", "suffix", "baseline") if k in by)
+        more.append(f"At {c} requests in flight, tokens/s (x plain): {cells}.")
+    if more:
+        rows.append("")
+        rows.extend(more)
     return f"""## In vLLM {eng['version']}
 
 {report['num_prompts']} held-out prompts (`{p['set']}`) x {s['max_new_tokens']} new tokens, greedy,
