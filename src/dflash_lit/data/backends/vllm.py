@@ -28,7 +28,7 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, target: str, tokenizer: Any, gen: GenerationSettings,
-                 dtype: str = "auto", max_num_seqs: int = 64, max_model_len: int = 4096,
+                 dtype: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
                  memory_fraction: float = 0.2, chunk: int = 256,
                  extra_args: dict[str, Any] | None = None) -> None:
         try:
@@ -38,10 +38,10 @@ class VLLMBackend:
                             "bash scripts/install_engine.sh (CPU) or pip install vllm (GPU)") from None
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.tokenizer, self.gen, self.chunk = tokenizer, gen, int(chunk)
+        limit = {} if max_model_len is None else {"max_model_len": int(max_model_len)}
         self.llm = LLM(model=target, dtype="float32" if dtype == "auto" else dtype,
-                       max_num_seqs=int(max_num_seqs), max_model_len=int(max_model_len),
-                       gpu_memory_utilization=float(memory_fraction), seed=gen.seed,
-                       **(extra_args or {}))
+                       max_num_seqs=int(max_num_seqs), gpu_memory_utilization=float(memory_fraction),
+                       seed=gen.seed, **limit, **(extra_args or {}))
         self.params = SamplingParams(
             temperature=gen.temperature, top_p=gen.top_p if not gen.greedy else 1.0,
             top_k=gen.top_k if (gen.top_k and not gen.greedy) else 0,
