@@ -28,7 +28,8 @@ from common import REPO, fmt_table, machine_info, write_result
 
 def regenerate(out: Path, args: argparse.Namespace, backend: str, dtype: str) -> dict:
     """One ``regenerate.py`` run into ``out`` (read back when its summary exists)."""
-    if not (out / "summary.json").is_file():
+    done = out / "summary.json"
+    if not done.is_file() or json.loads(done.read_text()).get("status") != "ok":
         cmd = [sys.executable, str(REPO / "regenerate.py"), f"target={args.target}",
                f"sources=[{{path:{args.prompts},field:prompt,name:p}}]",
                f"num_prompts={args.num_prompts}", f"generation.max_new_tokens={args.max_new_tokens}",
