@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -20,23 +19,17 @@ from typing import Any
 
 import torch
 
+from dflash_lit.machine import cpu_name
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
 def machine_info() -> dict[str, Any]:
     """CPU model, cores, threads and library versions: the header of every result file."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

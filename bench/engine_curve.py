@@ -23,8 +23,7 @@ from pathlib import Path
 
 from common import REPO, fmt_table, machine_info, write_result
 
-sys.path.insert(0, str(REPO / "src"))
-from dflash_lit.export.card import run_facts  # noqa: E402
+from dflash_lit.export.card import run_facts
 
 
 def evaluate(out: Path, ckpt: str, methods: str, args: argparse.Namespace) -> dict:

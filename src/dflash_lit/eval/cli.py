@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -139,7 +140,7 @@ def draft_vocab_for(cfg: DictConfig, info: DrafterInfo) -> torch.Tensor | None:
 
 def evaluate(cfg: DictConfig, out_dir: str | Path) -> int:
     """Evaluate per ``cfg``; write outputs to ``out_dir``; return the exit status."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     settings = settings_from_cfg(cfg)  # cheap checks first: bad budgets fail before loading
     prompts = load_prompts(cfg.prompts, cfg.prompts_path, cfg.prompts_field, cfg.limit)
@@ -157,12 +158,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> int:
             target_path, dtype=dtype, attn_implementation=cfg.attn_implementation
         ).to(device).eval()
         dims = check_compatible(drafter.config, model)
-        tok_where = f"tokenizer={cfg.tokenizer or target_path}"
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or target_path)
-        check_tokenizer_fits(tokenizer, dims["vocab_size"], tok_where,
-                             "pass tokenizer=<the target's tokenizer dir> (default: the target dir)")
-        renderer = make_renderer(cfg, tokenizer, tok_where)
-        encoded = [(p.id, renderer.ids(p)) for p in prompts]
+        tokenizer, renderer, encoded = encode_prompts(cfg, prompts, target_path, dims["vocab_size"])
     recorded = {k: info.target[k] for k in ("hidden_size", "num_layers", "vocab_size")
                 if k in info.target}
     diff = {k: (v, dims[k]) for k, v in recorded.items() if v != dims[k]}
@@ -182,35 +178,42 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> int:
     return _write_and_check(cfg, report, out_dir, dtype == torch.float32)
 
 
-def target_dims_from_config(path: str) -> dict[str, int]:
-    """hidden_size / num_layers / vocab_size from the target's config (no weights loaded)."""
-    from transformers import AutoConfig
+def configs_without_weights(path: str) -> SimpleNamespace:
+    """The target's config and generation config (None if it has none), standing in for the
+    model where only they are read (``eos_ids_for``, ``config_dims``)."""
+    from transformers import AutoConfig, GenerationConfig
 
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:
+        gen = None
+    return SimpleNamespace(config=AutoConfig.from_pretrained(path), generation_config=gen)
+
+
+def config_dims(config: Any) -> dict[str, int]:
+    """hidden_size / num_layers / vocab_size from a target's config (no weights loaded)."""
     from dflash_lit.hf import text_config
 
-    text = text_config(AutoConfig.from_pretrained(path))
+    text = text_config(config)
     return {"hidden_size": int(text.hidden_size), "num_layers": int(text.num_hidden_layers),
             "vocab_size": int(text.vocab_size)}
 
 
-def stop_ids_from_config(cfg: DictConfig, tokenizer: Any, target_path: str) -> list[int]:
-    """``eos_ids_for`` with the target's configs standing in for the model."""
-    from types import SimpleNamespace
+def encode_prompts(cfg: DictConfig, prompts: list[Any], target_path: str,
+                   vocab_size: int) -> tuple[Any, PromptRenderer, list[tuple[str, list[int]]]]:
+    """The tokenizer (checked against the target's vocab), its renderer and the prompts' ids."""
+    from transformers import AutoTokenizer
 
-    from transformers import AutoConfig, GenerationConfig
-
-    try:
-        gen = GenerationConfig.from_pretrained(target_path)
-    except OSError:
-        gen = None
-    return eos_ids_for(cfg, tokenizer, SimpleNamespace(generation_config=gen,
-                                                       config=AutoConfig.from_pretrained(target_path)))
+    tok_where = f"tokenizer={cfg.tokenizer or target_path}"
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or target_path)
+    check_tokenizer_fits(tokenizer, vocab_size, tok_where,
+                         "pass tokenizer=<the target's tokenizer dir> (default: the target dir)")
+    renderer = make_renderer(cfg, tokenizer, tok_where)
+    return tokenizer, renderer, [(p.id, renderer.ids(p)) for p in prompts]
 
 
 def evaluate_in_engine(cfg: DictConfig, out_dir: str | Path) -> int:
     """``engine=vllm``: the same prompts, rendering and outputs, served by vLLM."""
-    from transformers import AutoTokenizer
-
     from dflash_lit.eval.vllm_engine import (
         EngineError,
         EngineSettings,
@@ -236,21 +239,15 @@ def evaluate_in_engine(cfg: DictConfig, out_dir: str | Path) -> int:
     # the model-free methods need no drafter: ckpt may stay unset without chain
     with_drafter = "chain" in settings.methods or not OmegaConf.is_missing(cfg, "ckpt")
     with input_checks():
-        if with_drafter:
-            drafter, info = load_drafter(cfg.ckpt, cfg.drafter, trust=cfg.trust_checkpoint)
-            target_path = resolve_target_path(cfg, info.target)
-            dims = check_compatible(drafter.config, target_dims_from_config(target_path),
-                                    f"drafter {cfg.ckpt} and the served target {target_path}")
-        else:
-            info = None
-            target_path = resolve_target_path(cfg, {})
-            dims = target_dims_from_config(target_path)
-        tok_where = f"tokenizer={cfg.tokenizer or target_path}"
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or target_path)
-        check_tokenizer_fits(tokenizer, dims["vocab_size"], tok_where,
-                             "pass tokenizer=<the target's tokenizer dir> (default: the target dir)")
-        renderer = make_renderer(cfg, tokenizer, tok_where)
-        encoded = [(p.id, renderer.ids(p)) for p in prompts]
+        drafter, info = (load_drafter(cfg.ckpt, cfg.drafter, trust=cfg.trust_checkpoint)
+                         if with_drafter else (None, None))
+        target_path = resolve_target_path(cfg, info.target if info else {})
+        stand_in = configs_without_weights(target_path)
+        dims = config_dims(stand_in.config)
+        if drafter is not None:
+            check_compatible(drafter.config, dims,
+                             f"drafter {cfg.ckpt} and the served target {target_path}")
+        tokenizer, renderer, encoded = encode_prompts(cfg, prompts, target_path, dims["vocab_size"])
         if info is None:
             drafter_dir = None
         elif info.source == "zlab":
@@ -258,8 +255,8 @@ def evaluate_in_engine(cfg: DictConfig, out_dir: str | Path) -> int:
         else:  # a training checkpoint: exported next to the report, as vLLM reads it
             drafter_dir = str((out / "drafter").resolve())
             export_zlab(cfg.ckpt, drafter_dir, name=cfg.drafter, trust=cfg.trust_checkpoint)
-    eos = stop_ids_from_config(cfg, tokenizer, target_path)
-    bs = int(settings.block_size or (drafter.config.block_size if info else 16))
+    eos = eos_ids_for(cfg, tokenizer, stand_in)
+    bs = int(settings.block_size or (drafter.config.block_size if drafter is not None else 16))
     log.info("vLLM: target %s, drafter %s, %d prompts, concurrency %s", target_path, drafter_dir,
              len(encoded), engine.concurrency)
     try:

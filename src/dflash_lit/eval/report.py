@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -258,18 +259,27 @@ def best_model_free(methods: dict[str, Any]) -> str | None:
 
 def summarize(rs: list[GenerationResult], baseline: list[GenerationResult]) -> dict[str, Any]:
     """Pooled statistics of one method over all prompts."""
-    taus = [t for r in rs for t in r.acceptance_lengths]
-    tokens = sum(len(r.tokens) for r in rs)
-    wall = sum(r.wall_time for r in rs)
     base_tps = sum(len(r.tokens) for r in baseline) / max(sum(r.wall_time for r in baseline), 1e-12)
     slots = max((len(r.slot_accepts) for r in rs), default=0)
     acc = [sum(r.slot_accepts[k] for r in rs if k < len(r.slot_accepts)) for k in range(slots)]
     att = [sum(r.slot_attempts[k] for r in rs if k < len(r.slot_attempts)) for k in range(slots)]
-    hist: dict[str, int] = {}
-    for t in taus:
-        hist[str(t)] = hist.get(str(t), 0) + 1
+    return {
+        **pooled_stats([r.acceptance_lengths for r in rs], sum(len(r.tokens) for r in rs),
+                       sum(r.wall_time for r in rs), base_tps,
+                       sum(r.target_forwards for r in rs), acc, att,
+                       sum(d for r in rs for d in r.draft_lengths)),
+        "recomputed": any(r.recomputed for r in rs),
+    }
+
+
+def pooled_stats(step_taus: list[list[int]], tokens: int, wall: float, base_tps: float | None,
+                 target_forwards: int, slot_accepts: list[int], slot_attempts: list[int],
+                 drafted: int) -> dict[str, Any]:
+    """A method's report fields from each prompt's per-step τ and the pooled counts (in-process
+    and engine evaluations alike)."""
+    taus = [t for per in step_taus for t in per]
+    per_prompt = [sum(per) / len(per) for per in step_taus if per]
     tps = tokens / wall if wall > 0 else float("nan")
-    per_prompt = [r.mean_tau for r in rs if r.num_steps]
     return {
         "tau": sum(taus) / len(taus) if taus else None,
         "tau_per_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
@@ -277,14 +287,13 @@ def summarize(rs: list[GenerationResult], baseline: list[GenerationResult]) -> d
         "tokens": tokens,
         "wall_time_s": wall,
         "tokens_per_s": tps,
-        "speedup": tps / base_tps if base_tps > 0 else None,
-        "target_forwards": sum(r.target_forwards for r in rs),
-        "slot_accepts": acc,
-        "slot_attempts": att,
-        "slot_accept_rate": [a / t if t else None for a, t in zip(acc, att)],
-        "tau_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
-        "mean_draft_length": (sum(d for r in rs for d in r.draft_lengths) / len(taus)) if taus else None,
-        "recomputed": any(r.recomputed for r in rs),
+        "speedup": tps / base_tps if base_tps else None,
+        "target_forwards": target_forwards,
+        "slot_accepts": slot_accepts,
+        "slot_attempts": slot_attempts,
+        "slot_accept_rate": [a / t if t else None for a, t in zip(slot_accepts, slot_attempts)],
+        "tau_histogram": {str(t): n for t, n in sorted(Counter(taus).items())},
+        "mean_draft_length": drafted / len(taus) if taus else None,
     }
 
 

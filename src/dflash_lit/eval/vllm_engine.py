@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_lit.errors import UserError
-from dflash_lit.eval.report import EvalSettings, best_model_free, strict_json
+from dflash_lit.eval.report import EvalSettings, best_model_free, pooled_stats, strict_json
 from dflash_lit.eval.speculative import first_mismatch
 
 log = logging.getLogger("evaluate")
@@ -141,36 +141,18 @@ def run_worker(job: dict[str, Any], work: Path, name: str, timeout_s: float,
 def summarize_engine(res: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
     """The in-process report's per-method fields from one engine run."""
     reqs = res["requests"]
-    taus = [t for r in reqs for t in r["steps"][1:]]  # the first delta is the prefill's token
-    tokens = sum(len(r["tokens"]) for r in reqs)
-    wall = res["wall_time_s"]
-    tps = tokens / wall if wall > 0 else None
     base_tps = None
     if base is not None:
         base_tps = sum(len(r["tokens"]) for r in base["requests"]) / base["wall_time_s"]
     acc = [a for r in reqs for a in (r["accepted"] or [])]
     drafted = [d for r in reqs for d in (r["drafted"] or [])]
     slots = max(drafted, default=0)
-    att = [sum(d > k for d in drafted) for k in range(slots)]
-    hits = [sum(a > k for a in acc) for k in range(slots)]
-    hist: dict[str, int] = {}
-    for t in taus:
-        hist[str(t)] = hist.get(str(t), 0) + 1
-    per_prompt = [sum(r["steps"][1:]) / (len(r["steps"]) - 1) for r in reqs if len(r["steps"]) > 1]
+    step_taus = [r["steps"][1:] for r in reqs]  # the first delta is the prefill's token
     return {
-        "tau": sum(taus) / len(taus) if taus else None,
-        "tau_per_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
-        "steps": len(taus),
-        "tokens": tokens,
-        "wall_time_s": wall,
-        "tokens_per_s": tps,
-        "speedup": tps / base_tps if tps and base_tps else None,
-        "target_forwards": len(taus) + len(reqs),
-        "slot_accepts": hits,
-        "slot_attempts": att,
-        "slot_accept_rate": [h / a if a else None for h, a in zip(hits, att)],
-        "tau_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
-        "mean_draft_length": sum(drafted) / len(taus) if taus else None,
+        **pooled_stats(step_taus, sum(len(r["tokens"]) for r in reqs), res["wall_time_s"],
+                       base_tps, sum(len(t) + 1 for t in step_taus),
+                       [sum(a > k for a in acc) for k in range(slots)],
+                       [sum(d > k for d in drafted) for k in range(slots)], sum(drafted)),
         "drafted_steps": len(drafted),
         "recomputed": False,
         "startup_s": res["startup_s"],

@@ -4,7 +4,7 @@
 job's settings (one speculative method), serves the job's prompts (token ids) greedily with
 ``concurrency`` requests in flight and writes, per request, the output ids, the tokens each
 engine step committed (streamed deltas: the exact verify-step count), the engine's per-step
-accepted / drafted counts, and the wall times. Progress (requests finished) goes to
+accepted / drafted counts, and the wall time. Progress (requests finished) goes to
 ``RESULT.json.progress``. A process of its own because vLLM spawns engine processes and keeps
 global state: a fresh engine per method (suffix decoding's cache starts empty, as it would in a
 freshly started server) and a crash that cannot take the evaluator down with it.
@@ -42,7 +42,7 @@ def run(job: dict[str, Any], progress_path: Path) -> dict[str, Any]:
     prompts: list[list[int]] = job["prompts"]
     n, conc = len(prompts), int(job["concurrency"])
     reqs: list[dict[str, Any]] = [
-        {"tokens": [], "steps": [], "accepted": None, "drafted": None, "start": None, "end": None}
+        {"tokens": [], "steps": [], "accepted": None, "drafted": None}
         for _ in prompts
     ]
     nxt, finished = 0, 0
@@ -51,7 +51,6 @@ def run(job: dict[str, Any], progress_path: Path) -> dict[str, Any]:
     def admit() -> None:
         nonlocal nxt
         while nxt < n and nxt - finished < conc:
-            reqs[nxt]["start"] = time.perf_counter() - t_run
             engine.add_request(str(nxt), {"prompt_token_ids": prompts[nxt]}, params)
             nxt += 1
 
@@ -67,7 +66,6 @@ def run(job: dict[str, Any], progress_path: Path) -> dict[str, Any]:
                 m = out.outputs[0].spec_decode_metrics
                 if m is not None:
                     r["accepted"], r["drafted"] = list(m.per_step_accepted), list(m.per_step_drafted)
-                r["end"] = time.perf_counter() - t_run
                 r["finish_reason"] = out.outputs[0].finish_reason
                 finished += 1
                 progress_path.write_text(f"{finished} {n}\n")

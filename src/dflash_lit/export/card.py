@@ -12,13 +12,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-import platform
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from dflash_lit.errors import UserError
+from dflash_lit.machine import cpu_name
 from dflash_lit.paths import repo_relative
 
 
@@ -104,15 +104,7 @@ Reproduce: `{cmd}`
 
 
 def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
+    return f"{cpu_name()}, {os.cpu_count()} cores"
 
 
 def model_card(serve: str, info: dict[str, Any], facts: dict[str, Any],
