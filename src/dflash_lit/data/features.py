@@ -48,21 +48,28 @@ def check_store_dtype(name: str) -> tuple[torch.dtype, type]:
 
 
 class FeatureWriter:
-    """Appends rows to ``part-*.arrow`` files of about ``part_bytes`` each."""
+    """Appends rows to ``<prefix>-*.arrow`` files of about ``part_bytes`` each.
+
+    A part is written under ``.partial`` and renamed when it is closed (at ``part_bytes``, on
+    ``commit()`` and ``close()``), so a killed build leaves only whole parts under
+    ``*.arrow`` (what a resumed build keeps). ``prefix`` must start with ``part``.
+    """
 
     def __init__(self, out_dir: Path, feature_dim: int, dtype: str, topk: int = 0,
-                 part_bytes: int = 256 << 20) -> None:
+                 part_bytes: int = 256 << 20, prefix: str = "part") -> None:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.torch_dtype, _ = check_store_dtype(dtype)
         self.feature_dim, self.topk, self.part_bytes = feature_dim, topk, part_bytes
         self.schema = feature_schema(topk)
+        self.prefix = prefix
         self._writer: pa.ipc.RecordBatchFileWriter | None = None
+        self._path: Path | None = None
         self._parts, self._bytes, self.rows, self.tokens = 0, 0, 0, 0
 
     def _open(self) -> None:
-        path = self.dir / f"part-{self._parts:05d}.arrow"
-        self._writer = pa.ipc.new_file(str(path), self.schema)
+        self._path = self.dir / f"{self.prefix}-{self._parts:05d}.arrow"
+        self._writer = pa.ipc.new_file(str(self._path) + ".partial", self.schema)
         self._parts += 1
         self._bytes = 0
 
@@ -70,9 +77,9 @@ class FeatureWriter:
             topk_ids: list[torch.Tensor] | None = None,
             topk_logits: list[torch.Tensor] | None = None) -> None:
         """One record batch: per row, hidden [L, F], argmax [L] (and top-k [L, k])."""
-        if self._writer is None or self._bytes >= self.part_bytes:
-            if self._writer is not None:
-                self._writer.close()
+        if self._writer is not None and self._bytes >= self.part_bytes:
+            self.commit()
+        if self._writer is None:
             self._open()
 
         def raw(t: torch.Tensor) -> bytes:
@@ -98,10 +105,16 @@ class FeatureWriter:
         self.rows += len(rows)
         self.tokens += sum(cols["length"])
 
-    def close(self) -> None:
+    def commit(self) -> None:
+        """Close the open part and give it its final name (no-op when none is open)."""
         if self._writer is not None:
+            assert self._path is not None
             self._writer.close()
+            Path(str(self._path) + ".partial").replace(self._path)
             self._writer = None
+
+    def close(self) -> None:
+        self.commit()
 
 
 def write_manifest(out_dir: Path, fingerprint: dict[str, Any], stats: dict[str, Any]) -> None:

@@ -393,3 +393,37 @@ def target_layer_weights(path: str | Path, layer: int) -> dict[str, torch.Tensor
                                  ).items():
         out[k.split(prefix, 1)[1] if prefix in k else "final_norm.weight"] = t
     return out
+
+
+def load_final_norm(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The final norm of the HF model at ``path``, with its weights, and nothing else loaded.
+
+    The model's own norm class runs (RMSNorm, the zero-centred ``1 + w`` variant of hybrids,
+    LayerNorm): the skeleton is built on the meta device, the norm found as ``FrozenTarget``
+    finds it, and only its tensors are read from the safetensors.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    decoder, _ = find_decoder_layers(skeleton)
+    norm = _find_final_norm(decoder)
+    if norm is None:
+        raise ValueError(f"target.path={path}: no final norm ({'/'.join(_FINAL_NORM_NAMES)}) on "
+                         f"{type(decoder).__name__}")
+    name = next(n for n, m in skeleton.named_modules() if m is norm)
+    leaf = name.rsplit(".", 1)[-1]  # e.g. "norm"; checkpoints may prefix the decoder otherwise
+    found = read_safetensors(path, lambda k: k.startswith(name + ".") or (
+        "layers." not in k and k.rsplit(".", 2)[-2:-1] == [leaf]))
+    state = {}
+    for param, _ in norm.named_parameters():
+        hit = [k for k in found if k == f"{name}.{param}"] or [
+            k for k in found if k.endswith(f".{leaf}.{param}")]
+        if len(hit) != 1:
+            raise ValueError(f"target.path={path}: {len(hit)} tensors named like {name}.{param} "
+                             "in its safetensors, expected one")
+        state[param] = found[hit[0]]
+    norm = norm.to_empty(device="cpu")
+    norm.load_state_dict(state)
+    return norm.to(dtype).requires_grad_(False).eval()

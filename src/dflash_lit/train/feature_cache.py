@@ -41,7 +41,8 @@ from dflash_lit.data.features import (
 from dflash_lit.data.shards import find_shards
 from dflash_lit.errors import UserError
 
-MODES = ("online", "cache")
+MODES = ("online", "cache", "vllm")
+CACHED = ("cache", "vllm")  # modes that train from a feature cache on disk
 
 
 def _file_digest(path: Path, full_limit: int = 1 << 30) -> str:
@@ -144,25 +145,39 @@ def resolve_topk(fcfg: DictConfig, need_distribution: bool) -> int:
     return int(k)
 
 
-def check_features_config(fcfg: DictConfig) -> str:
+def check_features_config(fcfg: DictConfig, tcfg: DictConfig | None = None) -> str:
+    """``features.mode``, after checking the keys that mode reads."""
     mode = str(fcfg.get("mode", "online"))
     if mode not in MODES:
         raise FeatureCacheError(f"features.mode={mode!r}: use one of {list(MODES)}")
-    if mode == "cache":
+    if mode in CACHED:
         check_store_dtype(str(fcfg.dtype))
-        if int(fcfg.batch_tokens) < 1:
-            raise FeatureCacheError(f"features.batch_tokens={fcfg.batch_tokens} must be >= 1")
+    if mode == "cache" and int(fcfg.batch_tokens) < 1:
+        raise FeatureCacheError(f"features.batch_tokens={fcfg.batch_tokens} must be >= 1")
+    if mode == "vllm":
+        if tcfg is not None and not tcfg.get("path"):
+            raise UserError("features=vllm: the engine serves a model directory; set target.path "
+                            "(a random target.build has none) or use features=cache")
+        for key in ("tensor_parallel_size", "data_parallel_size", "max_num_seqs", "part_mb"):
+            if int(fcfg.engine[key]) < 1:
+                raise UserError(f"features.engine.{key}={fcfg.engine[key]}: must be >= 1")
+        if not 0 < float(fcfg.engine.memory_fraction) < 1:
+            raise UserError(f"features.engine.memory_fraction={fcfg.engine.memory_fraction}: the "
+                            "share of memory vLLM reserves (RAM on CPU), in (0, 1), e.g. 0.2")
     return mode
 
 
 def ensure_cache(cfg: DictConfig, dataset, data_path: str, what: str, capture_ids: list[int],
-                 topk: int, load_target, target_fp: dict[str, Any] | None = None
-                 ) -> FeatureStore:
+                 topk: int, build, target_fp: dict[str, Any] | None = None,
+                 engine_fp: dict[str, Any] | None = None) -> FeatureStore:
     """The finished cache of ``dataset`` (built now when missing); refuses a stale one.
 
-    ``load_target`` is called (once) only when a build is needed.
+    ``build(dataset, out, fingerprint, what)`` is called only when a build is needed;
+    ``engine_fp`` names the serving engine that builds it (``features=vllm``), if any.
     """
     fp = split_fingerprint(cfg, data_path, capture_ids, topk, target_fp)
+    if engine_fp is not None:
+        fp["engine"] = engine_fp
     fcfg = cfg.features
     split = "val" if what == "data.val_path" else "train"
     out = Path(fcfg.path) / split if fcfg.get("path") else Path(fcfg.dir) / _hash(fp)
@@ -180,7 +195,7 @@ def ensure_cache(cfg: DictConfig, dataset, data_path: str, what: str, capture_id
             return store
         if out.exists():  # a build killed part-way: nothing in it is trusted
             shutil.rmtree(out)
-        build_cache(load_target(), dataset, out, fp, int(fcfg.batch_tokens), topk, what)
+        build(dataset, out, fp, what)
     return FeatureStore(out)
 
 
@@ -250,15 +265,29 @@ def build_cache(target, dataset, out: Path, fp: dict[str, Any], batch_tokens: in
 
 
 def attach_feature_caches(cfg: DictConfig, dm, capture_ids: list[int],
-                          need_distribution: bool, load_target) -> dict[str, FeatureStore]:
-    """Build (if needed) and attach the caches of the datamodule's train and val rows."""
+                          need_distribution: bool, load_target,
+                          target_shape: tuple[int, int] | None = None) -> dict[str, FeatureStore]:
+    """Build (if needed) and attach the caches of the datamodule's train and val rows:
+    by ``load_target()``'s HF forward (``features=cache``) or by vLLM (``features=vllm``; then
+    ``target_shape`` = (num_layers, hidden_size) of the target)."""
     topk = resolve_topk(cfg.features, need_distribution)
     target_holder: list[Any] = []
+    engine_fp = None
+    if cfg.features.mode == "vllm":
+        from dflash_lit.data.vllm_features.build import build_cache_vllm, engine_fingerprint
 
-    def once():
-        if not target_holder:
-            target_holder.append(load_target())
-        return target_holder[0]
+        assert target_shape is not None
+        engine_fp = engine_fingerprint(cfg.features.engine,
+                                       str(build_target_config(cfg).get("dtype", "float32")))
+
+        def build(dataset, out, fp, what):
+            build_cache_vllm(cfg, dataset, out, fp, topk, capture_ids, *target_shape, what)
+    else:
+        def build(dataset, out, fp, what):
+            if not target_holder:
+                target_holder.append(load_target())
+            build_cache(target_holder[0], dataset, out, fp, int(cfg.features.batch_tokens),
+                        topk, what)
 
     stores = {}
     has_val = dm.val_dataset is not None and len(dm.val_dataset) > 0
@@ -268,12 +297,12 @@ def attach_feature_caches(cfg: DictConfig, dm, capture_ids: list[int],
         _union(dm.train_dataset, dm.val_dataset)
     target_fp = target_fingerprint(build_target_config(cfg))  # once for both splits
     stores["train"] = ensure_cache(cfg, rows, cfg.data.path, "data.path", capture_ids, topk,
-                                   once, target_fp)
+                                   build, target_fp, engine_fp)
     dm.train_dataset.features = stores["train"]
     if has_val:
         dm.val_dataset.features = stores["val"] = ensure_cache(
-            cfg, dm.val_dataset, cfg.data.val_path, "data.val_path", capture_ids, topk, once,
-            target_fp) if separate_val else stores["train"]
+            cfg, dm.val_dataset, cfg.data.val_path, "data.val_path", capture_ids, topk, build,
+            target_fp, engine_fp) if separate_val else stores["train"]
     if target_holder:
         del target_holder[0]  # free the decoder layers: training reads only the caches
     return stores

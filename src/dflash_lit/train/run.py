@@ -29,6 +29,7 @@ from dflash_lit.train.build import (
 )
 from dflash_lit.train.checkpointing import AtomicCheckpointIO
 from dflash_lit.train.feature_cache import (
+    CACHED,
     attach_feature_caches,
     build_target_config,
     cache_needs_distribution,
@@ -79,6 +80,7 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
     fails before any weights load. Shared by ``train`` and the bench/ scripts.
     """
     check_config(cfg)
+    mode = check_features_config(cfg.features, cfg.target)  # before the data is read
     info = target_info(cfg.target)
     specs = build_specs(cfg, info)
     max_bs = max(s.model.block_size for s in specs)
@@ -93,10 +95,11 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
     if cfg.get("train_vocab") is not None:
         train_vocab = frequent_tokens(dm.train_dataset, int(cfg.train_vocab), info["vocab_size"])
     capture = capture_layer_ids(specs)
-    if check_features_config(cfg.features) == "cache":
+    if mode in CACHED:
         need_dist = cache_needs_distribution({s.name: build_loss(**s.loss) for s in specs})
         attach_feature_caches(cfg, dm, capture, need_dist,
-                              lambda: build_target(build_target_config(cfg), capture))
+                              lambda: build_target(build_target_config(cfg), capture),
+                              (info["num_layers"], info["hidden_size"]))
         target = build_target_heads(cfg.target, capture)  # decoder layers never loaded
     else:
         target = build_target(cfg.target, capture)
