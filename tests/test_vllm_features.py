@@ -138,7 +138,7 @@ def test_a_killed_build_resumes_from_its_committed_parts(tmp_path, data, runs):
     """kill -9 of the trainer mid-build: the engine dies with it, the rerun keeps the committed
     parts, sends only the rest, and the finished cache holds the same rows and numbers."""
     _require_engine()
-    ov = _ov(tmp_path, data, *VLLM, "features.engine.part_mb=1", "trainer.max_steps=1",
+    ov = _ov(tmp_path, data, *VLLM, "features.part_mb=1", "trainer.max_steps=1",
              "features.engine.max_num_seqs=1")
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *ov,
                              f"hydra.run.dir={tmp_path / 'killed'}"], cwd=REPO,

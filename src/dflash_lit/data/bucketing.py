@@ -253,6 +253,19 @@ class BucketBatchSampler:
             self.batches_consumed += 1  # counted before the yield: state == batches handed out
             yield b
 
+    def upcoming(self, n: int) -> list[list[int]]:
+        """The next ``n`` batches this sampler will hand out from its position (into the next
+        epoch when this one ends), without consuming them: what a prefetch should ask for."""
+        out: list[list[int]] = []
+        epoch, consumed = self.epoch, self.batches_consumed
+        while len(out) < n and len(self):
+            if consumed >= len(self):
+                epoch, consumed = epoch + 1, 0
+            take = self.batches_for_epoch(epoch)[consumed:consumed + n - len(out)]
+            out += take
+            consumed += len(take)
+        return out
+
     def set_epoch(self, epoch: int) -> None:
         """Switch to ``epoch`` (from its start) if it differs from the current one; else no-op.
 

@@ -320,7 +320,30 @@ class ShardDataset(torch.utils.data.Dataset):
         return self.__getitems__([i])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
-        """Batched read (torch's fetcher calls this): one Arrow ``take`` per shard touched."""
+        """Batched read (torch's fetcher calls this): one Arrow ``take`` per shard touched,
+        plus each row's target features when a cache (or feature servers) is attached."""
+        out = self._read(indices)
+        if self.features is not None:
+            raw = self.rows[np.asarray(indices, dtype=np.int64)].tolist()
+            served = hasattr(self.features, "ensure")  # from servers: fetched unless fetched
+            if served:  # ahead, and dropped once read
+                self.features.ensure(raw, [row["input_ids"] for row in out])
+            for r, row in zip(raw, out):
+                n = len(row["input_ids"])
+                row["target_hidden"] = self.features.hidden(r, n)
+                row["target_argmax"] = self.features.argmax(r, n)
+                if self.features.topk:
+                    row["target_topk"] = self.features.topk_logits(r, n)
+            if served:
+                self.features.release(raw)
+        return out
+
+    def token_ids(self, indices: Sequence[int]) -> list[np.ndarray]:
+        """The (effective-length) token ids of rows ``indices``."""
+        return [row["input_ids"] for row in self._read(indices)]
+
+    def _read(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """``{input_ids, loss_mask, index}`` of rows ``indices`` (no features)."""
         idx = np.asarray(indices, dtype=np.int64)
         raw = self.rows[idx]
         part = self._locate(raw)
@@ -342,12 +365,6 @@ class ShardDataset(torch.utils.data.Dataset):
                 for name, (o, v) in cols.items():
                     row[name] = v[o[j] : o[j] + n]
                 row["index"] = int(idx[k])
-                if self.features is not None:
-                    r = int(raw[k])
-                    row["target_hidden"] = self.features.hidden(r, n)
-                    row["target_argmax"] = self.features.argmax(r, n)
-                    if self.features.topk:
-                        row["target_topk"] = self.features.topk_logits(r, n)
                 out[k] = row
         return out
 

@@ -41,7 +41,7 @@ from dflash_lit.data.features import (
 from dflash_lit.data.shards import find_shards
 from dflash_lit.errors import UserError
 
-MODES = ("online", "cache", "vllm")
+MODES = ("online", "cache", "vllm", "vllm_server")
 CACHED = ("cache", "vllm")  # modes that train from a feature cache on disk
 
 
@@ -150,15 +150,18 @@ def check_features_config(fcfg: DictConfig, tcfg: DictConfig | None = None) -> s
     mode = str(fcfg.get("mode", "online"))
     if mode not in MODES:
         raise FeatureCacheError(f"features.mode={mode!r}: use one of {list(MODES)}")
-    if mode in CACHED:
+    if mode in (*CACHED, "vllm_server"):
         check_store_dtype(str(fcfg.dtype))
     if mode == "cache" and int(fcfg.batch_tokens) < 1:
         raise FeatureCacheError(f"features.batch_tokens={fcfg.batch_tokens} must be >= 1")
     if mode == "vllm":
+        if int(fcfg.part_mb) < 1:
+            raise UserError(f"features.part_mb={fcfg.part_mb}: must be >= 1")
+    if mode in ("vllm", "vllm_server"):
         if tcfg is not None and not tcfg.get("path"):
-            raise UserError("features=vllm: the engine serves a model directory; set target.path "
-                            "(a random target.build has none) or use features=cache")
-        for key in ("tensor_parallel_size", "data_parallel_size", "max_num_seqs", "part_mb"):
+            raise UserError(f"features={mode}: the engine serves a model directory; set "
+                            "target.path (a random target.build has none) or use features=cache")
+        for key in ("tensor_parallel_size", "data_parallel_size", "max_num_seqs"):
             if int(fcfg.engine[key]) < 1:
                 raise UserError(f"features.engine.{key}={fcfg.engine[key]}: must be >= 1")
         if not 0 < float(fcfg.engine.memory_fraction) < 1:

@@ -34,6 +34,7 @@ from dflash_lit.train.feature_cache import (
     build_target_config,
     cache_needs_distribution,
     check_features_config,
+    resolve_topk,
 )
 from dflash_lit.train.losses import build_loss
 from dflash_lit.train.module import DFlashModule, ModuleSettings
@@ -101,6 +102,13 @@ def build_run(cfg: DictConfig) -> tuple[DFlashModule, L.LightningDataModule, int
                               lambda: build_target(build_target_config(cfg), capture),
                               (info["num_layers"], info["hidden_size"]))
         target = build_target_heads(cfg.target, capture)  # decoder layers never loaded
+    elif mode == "vllm_server":
+        from dflash_lit.train.feature_servers import attach_feature_servers
+
+        need_dist = cache_needs_distribution({s.name: build_loss(**s.loss) for s in specs})
+        dm.feature_gate = attach_feature_servers(
+            cfg, dm, capture, resolve_topk(cfg.features, need_dist), info["hidden_size"])
+        target = build_target_heads(cfg.target, capture)
     else:
         target = build_target(cfg.target, capture)
     module = DFlashModule(target, specs, module_settings(cfg, total), target_info=info,
@@ -198,6 +206,9 @@ def train(cfg: DictConfig) -> float | None:
     # 2. Trainer, loggers, callbacks; the resolved config is saved next to the run.
     loggers = build_loggers(cfg.get("logger"), run_dir, ckpt.parent.parent if ckpt else None)
     callbacks = build_callbacks(cfg.get("callbacks"))
+    gate = getattr(dm, "feature_gate", None)  # features=vllm_server: rows fetched ahead
+    if gate is not None:
+        callbacks.append(gate)
     # Atomic checkpoint writes always; config plugins (e.g. SLURMEnvironment) come on top.
     plugins = [hydra.utils.instantiate(p) for p in (cfg.trainer.get("plugins") or [])]
     plugins.append(io)
@@ -218,6 +229,8 @@ def train(cfg: DictConfig) -> float | None:
             (run_dir / "wandb_id.txt").write_text(str(exp_id))
 
     trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt else None)
+    if gate is not None:
+        gate.raise_if_failed()  # the servers went away: last.ckpt is the last complete step
     value = trainer.callback_metrics.get(cfg.monitor)
     if value is None and str(cfg.monitor).startswith("val/") and not trainer.interrupted:
         # the run ended before its first validation (e.g. max_steps < an epoch): sweepers

@@ -4,7 +4,7 @@ The target is whatever vLLM serves (its tensor / data parallel settings from
 ``features.engine``); the worker process (``worker.py``) runs it with the
 ``extract_hidden_states`` method and the project's connector, which writes cache parts into a
 build directory beside the cache. The build resumes: parts are committed whole (at
-``features.engine.part_mb`` and whenever the engine runs dry), a rerun keeps the rows they
+``features.part_mb`` and whenever the engine runs dry), a rerun keeps the rows they
 hold and sends the engine only the rest. The finished directory gets its manifest and is
 renamed into place, as ``features=cache`` does.
 """
@@ -126,12 +126,12 @@ def build_cache_vllm(cfg: DictConfig, dataset, out: Path, fp: dict[str, Any], to
                              "layer_ids": [int(i) for i in layer_ids], "num_layers": num_layers,
                              "dtype": fp["engine"]["dtype"], "store_dtype": str(fcfg.dtype),
                              "topk": int(topk), "sink": "cache", "dir": str(build),
-                             "prefix": f"{attempt:03d}", "part_mb": int(ecfg.part_mb)}}
+                             "prefix": f"{attempt:03d}", "part_mb": int(fcfg.part_mb)}}
         with Progress(TextColumn(f"target features by vLLM ({what})"), BarColumn(),
                       TextColumn("{task.completed}/{task.total} rows"),
                       TimeRemainingColumn()) as bar:
             task = bar.add_task("rows", total=len(dataset), completed=len(done))
-            _run_worker(job, build, float(ecfg.timeout_s),
+            _run_worker(job, build, float(fcfg.timeout_s),
                         lambda k: bar.update(task, completed=len(done) + k))
         done = _committed_rows(build)
     missing = [int(r) for r in dataset.rows.tolist() if r not in done]
@@ -139,13 +139,16 @@ def build_cache_vllm(cfg: DictConfig, dataset, out: Path, fp: dict[str, Any], to
         raise FeatureEngineError(
             f"feature cache for {what}: vLLM finished but {len(missing)} rows have no features "
             f"(e.g. data row {missing[0]}); rerun to send them again")
-    for f in ("todo.arrow", "job.json", "job.progress", "fingerprint.json"):
+    stats = build / "job.stats.json"
+    engine_s = json.loads(stats.read_text()) if stats.exists() else {}
+    for f in ("todo.arrow", "job.json", "job.progress", "job.stats.json", "fingerprint.json"):
         (build / f).unlink(missing_ok=True)
     parts = sorted(build.glob("part-*.arrow"))
     write_manifest(build, fp, {"rows": len(dataset), "tokens": int(dataset.lengths.sum()),
                                "feature_dim": len(layer_ids) * int(hidden_size),
                                "bytes": sum(f.stat().st_size for f in parts),
-                               "build_s": round(time.time() - t0, 1)})
+                               "build_s": round(time.time() - t0, 1),
+                               "engine_startup_s": round(engine_s.get("startup_s", 0.0), 1)})
     replace_dir(build, out)
     print(f"feature cache for {what}: {len(dataset)} rows by vLLM -> {out}", flush=True)
 
@@ -177,7 +180,7 @@ def _run_worker(job: dict[str, Any], build: Path, timeout_s: float, progress) ->
             while proc.poll() is None:
                 if time.perf_counter() - t0 > timeout_s:
                     raise FeatureEngineError(
-                        f"vLLM ran past features.engine.timeout_s={timeout_s:g} (log: {log_path});"
+                        f"vLLM ran past features.timeout_s={timeout_s:g} (log: {log_path});"
                         " stopped it; rerun to resume from the committed rows")
                 if prog.exists() and (s := prog.read_text().split()):
                     progress(int(s[0]))

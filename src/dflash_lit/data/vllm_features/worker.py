@@ -4,7 +4,7 @@
 ``extract_hidden_states`` method and the project's connector (``cache`` sink writing into the
 job's build directory), sends every row of the job's ``todo.arrow`` (data row + token ids) as
 a one-token request, ``max_num_seqs`` in flight, and writes ``<rows done> <rows>`` to
-``JOB.progress`` as rows finish. A process of its own: vLLM spawns engine processes and keeps
+``JOB.progress`` as rows finish (engine start-up and row seconds to ``JOB.stats.json``). A process of its own: vLLM spawns engine processes and keeps
 global state, and a crash must not take the trainer with it.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ def run(job: dict[str, Any], progress: Path) -> None:
 
     from dflash_lit.data.vllm_features.connector import kv_transfer_config
 
+    t0 = time.perf_counter()
     todo = pa.ipc.open_file(pa.memory_map(job["todo"], "r")).read_all()
     rows = todo.column("row").to_pylist()
     ids = todo.column("input_ids")
@@ -37,6 +39,7 @@ def run(job: dict[str, Any], progress: Path) -> None:
               kv_transfer_config=kv_transfer_config(job["connector"]),
               **job["llm_kwargs"])
     engine = llm.llm_engine
+    startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=1, temperature=0.0)
     n, conc = len(rows), int(job["llm_kwargs"].get("max_num_seqs", 64))
     nxt = finished = 0
@@ -56,7 +59,8 @@ def run(job: dict[str, Any], progress: Path) -> None:
                 finished += 1
         progress.write_text(f"{finished} {n}\n")
         admit()
-    progress.write_text(f"{finished} {n} done\n")
+    (progress.with_suffix(".stats.json")).write_text(json.dumps(
+        {"startup_s": startup, "rows_s": time.perf_counter() - t0 - startup, "rows": n}))
 
 
 def main(argv: list[str]) -> int:
