@@ -111,7 +111,7 @@ def main() -> None:
             {"build": "vLLM (running)", "seconds": b["vllm_build_s"] - b["vllm_startup_s"],
              "rows/s": b["vllm_rows_per_s_running"]}]
     table = fmt_table(rows) + (
-        f"\n\n{b['rows']} rows, {b['tokens']} tokens; vLLM ids {b['layer_ids']}; max |vLLM - HF| "
+        f"\n\n{b['rows']} rows, {b['tokens']} tokens; layer ids {b['layer_ids']}; max |vLLM - HF| "
         f"{b['max_abs_diff']:.2e} (per captured layer "
         f"{', '.join(f'{x:.1e}' for x in b['max_abs_diff_per_layer'])}); greedy ids agree on "
         f"{100 * b['argmax_agreement']:.3f}% of positions; vLLM running / HF rows/s: "
