@@ -137,7 +137,8 @@ class Server:
         ov = _ov(tmp, data, self.url, "features.engine.enforce_eager=true",
                  "features.engine.memory_fraction=0.1", "features.engine.max_num_seqs=8",
                  f"features.serve.port={port}", f"hydra.run.dir={tmp / f'server{port}'}")
-        self.log = open(tmp / f"server{port}.log", "ab")
+        self.log_path = tmp / f"server{port}.log"
+        self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, str(REPO / "serve_features.py"), *ov],
                                      cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -150,6 +151,10 @@ class Server:
             except OSError:
                 time.sleep(1)
         raise AssertionError("the feature server did not come up")
+
+    def requests(self) -> int:
+        """Rows requested from this server so far (its access log)."""
+        return self.log_path.read_text(errors="replace").count("POST /v1/completions")
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -181,12 +186,12 @@ def test_a_killed_server_stops_the_run_at_a_checkpoint_and_resume_is_exact(tmp_p
         run = tmp_path / "killed"
         ov = _ov(tmp_path, data, server.url, f"hydra.run.dir={run}")
         env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+        served = server.requests()  # the straight run's
         p = subprocess.Popen([sys.executable, str(REPO / "train.py"), *ov], cwd=tmp_path, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        t0 = time.time()  # kill the server once training is under way
-        while not (run / "csv").exists() and time.time() - t0 < 300 and p.poll() is None:
-            time.sleep(0.2)
-        time.sleep(4)
+        t0 = time.time()  # kill the server once training is under way (a few batches served)
+        while server.requests() - served < 20 and time.time() - t0 < 300 and p.poll() is None:
+            time.sleep(0.05)
         server.kill()
         out, _ = p.communicate(timeout=300)
     finally:

@@ -140,6 +140,7 @@ def test_a_killed_build_resumes_from_its_committed_parts(tmp_path, data, runs):
     _require_engine()
     ov = _ov(tmp_path, data, *VLLM, "features.part_mb=1", "trainer.max_steps=1",
              "features.engine.max_num_seqs=1")
+    engines_before = _engine_processes()
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *ov,
                              f"hydra.run.dir={tmp_path / 'killed'}"], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -158,6 +159,10 @@ def test_a_killed_build_resumes_from_its_committed_parts(tmp_path, data, runs):
     time.sleep(3)
     assert sorted(p.name for p in build.glob("part-*")) == before, \
         "the engine outlived the killed trainer"
+    t0 = time.time()  # and no engine process is left holding the model
+    while _engine_processes() > engines_before and time.time() - t0 < 20:
+        time.sleep(0.5)
+    assert _engine_processes() <= engines_before, "vLLM processes outlived the killed trainer"
     run_train(ov, tmp_path / "resumed")
     st, ref = _store(tmp_path, engine=True), _store(runs, engine=True)
     assert len({p.name.split("-")[1] for p in st.path.glob("part-*.arrow")}) == 2  # two attempts
@@ -165,6 +170,11 @@ def test_a_killed_build_resumes_from_its_committed_parts(tmp_path, data, runs):
         assert np.array_equal(st.hidden(r, n), ref.hidden(r, n)) or float(
             (to_tensor(st.hidden(r, n)) - to_tensor(ref.hidden(r, n))).abs().max()) < 1e-5
         assert np.array_equal(st.argmax(r, n), ref.argmax(r, n))
+
+
+def _engine_processes() -> int:
+    out = subprocess.run(["pgrep", "-f", "VLLM::"], capture_output=True, text=True).stdout
+    return len(out.split())
 
 
 def test_a_random_target_is_refused_for_features_vllm(tmp_path, data):

@@ -137,7 +137,11 @@ def serve(cfg: DictConfig) -> int:
     from dflash_lit.data.vllm_features.rows import capture_ids
     from dflash_lit.data.vllm_features.server import SPOOL_ENV, TTL_ENV, WAIT_ENV, server_command
     from dflash_lit.train.build import build_specs, target_info
-    from dflash_lit.train.feature_cache import cache_needs_distribution, check_features_config
+    from dflash_lit.train.feature_cache import (
+        cache_needs_distribution,
+        check_features_config,
+        resolve_topk,
+    )
     from dflash_lit.train.losses import build_loss
     from dflash_lit.train.spec import capture_layer_ids
 
@@ -147,8 +151,6 @@ def serve(cfg: DictConfig) -> int:
     specs = build_specs(cfg, info)
     layer_ids = capture_layer_ids(specs)
     need_dist = cache_needs_distribution({s.name: build_loss(**s.loss) for s in specs})
-    from dflash_lit.train.feature_cache import resolve_topk
-
     topk = resolve_topk(cfg.features, need_dist)
     fcfg, ecfg = cfg.features, cfg.features.engine
     dtype = str(build_target_config(cfg).get("dtype", "float32"))

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lit.atomic import replace_dir
 from dflash_lit.data.features import write_manifest
-from dflash_lit.data.vllm_features.rows import SUPPORTED_VLLM, capture_ids
+from dflash_lit.data.vllm_features.rows import SUPPORTED_VLLM, capture_ids, die_with_parent
 from dflash_lit.errors import UserError
 
 INSTALL = "bash scripts/install_engine.sh (CPU) or pip install vllm (GPU)"
@@ -153,18 +153,6 @@ def build_cache_vllm(cfg: DictConfig, dataset, out: Path, fp: dict[str, Any], to
     print(f"feature cache for {what}: {len(dataset)} rows by vLLM -> {out}", flush=True)
 
 
-def _die_with_parent() -> None:
-    """In the worker, before exec: the kernel kills it when the trainer dies (Linux), so a
-    killed build leaves no engine writing into the build directory."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _run_worker(job: dict[str, Any], build: Path, timeout_s: float, progress) -> None:
     """Run the worker; ``progress(rows done this run)`` while it runs."""
     job_path, log_path = build / "job.json", build / "worker.log"
@@ -175,7 +163,7 @@ def _run_worker(job: dict[str, Any], build: Path, timeout_s: float, progress) ->
     with open(log_path, "a") as logf:
         proc = subprocess.Popen([sys.executable, "-m", "dflash_lit.data.vllm_features.worker",
                                  str(job_path)], stdout=logf, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
         try:
             while proc.poll() is None:
                 if time.perf_counter() - t0 > timeout_s:
