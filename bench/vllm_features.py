@@ -32,7 +32,7 @@ from omegaconf import open_dict
 from dflash_lit.data.features import FeatureStore, to_tensor
 from dflash_lit.data.vllm_features.build import build_cache_vllm, engine_fingerprint
 from dflash_lit.train.build import build_specs, build_target, target_info
-from dflash_lit.train.feature_cache import split_fingerprint
+from dflash_lit.train.feature_cache import build_cache, split_fingerprint
 from dflash_lit.train.spec import capture_layer_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,8 +56,6 @@ def builds(overrides: list[str], rows: int | None, eager: bool) -> dict:
     try:
         fp = split_fingerprint(cfg, cfg.data.path, capture, 0)
         t0 = time.perf_counter()
-        from dflash_lit.train.feature_cache import build_cache
-
         build_cache(build_target(cfg.target, capture), ds, tmp / "hf", fp, 8192, 0)
         hf_s = time.perf_counter() - t0
         fpv = {**fp, "engine": engine_fingerprint(cfg.features.engine, str(cfg.target.dtype))}

@@ -79,24 +79,24 @@ class FeatureServerGate(Callback):
         self.features, self.ahead, self.filename = features, max(1, int(ahead)), filename
         self.failure: str | None = None
 
-    def _upcoming(self, trainer, n: int) -> tuple[Any, list[int], list[int]]:
+    def _schedule(self, trainer) -> list[int]:
+        """Request the rows of the next ``ahead`` batches not yet requested; the next batch's
+        rows."""
         dm = trainer.datamodule
-        batches = dm.train_sampler.upcoming(n)
+        batches = dm.train_sampler.upcoming(self.ahead)
+        ds = dm.train_dataset
         pos = list(dict.fromkeys(i for b in batches for i in b))
-        return dm.train_dataset, pos, dm.train_dataset.rows[np.asarray(pos, np.int64)].tolist()
-
-    def _schedule(self, trainer) -> None:
-        ds, pos, rows = self._upcoming(trainer, self.ahead)
+        rows = ds.rows[np.asarray(pos, np.int64)].tolist()
         new = [(p, r) for p, r in zip(pos, rows) if not self.features.has(r)]
         if new:
             self.features.schedule([r for _, r in new], ds.token_ids([p for p, _ in new]))
+        return ds.rows[np.asarray(batches[0], np.int64)].tolist() if batches else []
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._schedule(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._schedule(trainer)
-        _, _, rows = self._upcoming(trainer, 1)
+        rows = self._schedule(trainer)
         err = self.features.wait(rows) if not self._last_step(trainer) else None
         flag = trainer.strategy.reduce_boolean_decision(err is not None, all=False)
         if not flag:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lit.atomic import replace_dir
 from dflash_lit.data.features import write_manifest
-from dflash_lit.data.vllm_features.rows import SUPPORTED_VLLM, capture_ids, die_with_parent
+from dflash_lit.data.vllm_features.rows import capture_ids, check_vllm_version, die_with_parent
 from dflash_lit.errors import UserError
 
 INSTALL = "bash scripts/install_engine.sh (CPU) or pip install vllm (GPU)"
@@ -46,9 +46,10 @@ def engine_version() -> str:
             v = version(dist)
         except PackageNotFoundError:
             continue
-        if v not in SUPPORTED_VLLM:
-            raise UserError(f"features=vllm: vLLM {v} is not supported (tested: "
-                            f"{', '.join(SUPPORTED_VLLM)}); install {dist}=={SUPPORTED_VLLM[-1]}")
+        try:
+            check_vllm_version(v)  # the connector's own check, before an engine starts
+        except RuntimeError as e:
+            raise UserError(str(e)) from None
         return v
     raise UserError(f"features=vllm: vLLM is not installed; install it with {INSTALL}")
 
@@ -88,10 +89,9 @@ def _write_todo(dataset, positions: np.ndarray, path: Path, chunk: int = 1024) -
     with pa.ipc.new_file(str(path), schema) as w:
         for s in range(0, len(positions), chunk):
             pos = positions[s:s + chunk].tolist()
-            items = dataset.__getitems__(pos)
             w.write_batch(pa.record_batch(
                 [pa.array(dataset.rows[pos].tolist(), pa.int64()),
-                 pa.array([it["input_ids"].astype(np.int32) for it in items],
+                 pa.array([t.astype(np.int32) for t in dataset.token_ids(pos)],
                           pa.list_(pa.int32()))], schema=schema))
 
 
@@ -106,7 +106,6 @@ def build_cache_vllm(cfg: DictConfig, dataset, out: Path, fp: dict[str, Any], to
     capture = capture_ids(layer_ids, num_layers)  # out-of-range ids: one line, before vLLM
     build = out.with_name(f".{out.name}.vllm-build")
     build.mkdir(parents=True, exist_ok=True)
-    (build / "fingerprint.json").write_text(json.dumps(fp, sort_keys=True))
     done = _committed_rows(build)
     positions = np.array([i for i, r in enumerate(dataset.rows.tolist()) if r not in done],
                          dtype=np.int64)
@@ -141,7 +140,7 @@ def build_cache_vllm(cfg: DictConfig, dataset, out: Path, fp: dict[str, Any], to
             f"(e.g. data row {missing[0]}); rerun to send them again")
     stats = build / "job.stats.json"
     engine_s = json.loads(stats.read_text()) if stats.exists() else {}
-    for f in ("todo.arrow", "job.json", "job.progress", "job.stats.json", "fingerprint.json"):
+    for f in ("todo.arrow", "job.json", "job.progress", "job.stats.json"):
         (build / f).unlink(missing_ok=True)
     parts = sorted(build.glob("part-*.arrow"))
     write_manifest(build, fp, {"rows": len(dataset), "tokens": int(dataset.lengths.sum()),

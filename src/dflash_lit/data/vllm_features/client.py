@@ -166,11 +166,6 @@ class ServerFeatures:
         with self._lock:
             return int(row) in self._futures
 
-    def buffered(self) -> int:
-        """Rows buffered or on their way."""
-        with self._lock:
-            return len(self._futures)
-
     # ------------------------------------------------------------------ FeatureStore reads
     def _row(self, row: int) -> ServedRow:
         return self._futures[int(row)].result()

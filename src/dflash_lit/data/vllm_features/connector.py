@@ -71,7 +71,6 @@ class DFlashFeatureConnector(ExampleHiddenStatesConnector):
         self._settings = dict(extra)
         self._inflight: set[str] = set()
         self._rows: dict[str, int] = {}
-        self._keys: dict[str, str] = {}
         self._heads = None
         self._writer = None
         self._written: set[str] = set()
@@ -85,12 +84,10 @@ class DFlashFeatureConnector(ExampleHiddenStatesConnector):
             params = extra.get("kv_transfer_params") or {}
             self._inflight.add(new_req.req_id)
             self._rows[new_req.req_id] = int(params.get("dflash_row", -1))
-            self._keys[new_req.req_id] = str(params.get("dflash_key", new_req.req_id))
             # the base class's file name carries the spool key to the worker
-            self._request_filenames[new_req.req_id] = self._keys[new_req.req_id]
+            self._request_filenames[new_req.req_id] = str(params.get("dflash_key", new_req.req_id))
         for p in meta.pending_saves:
             meta.rows[p.req_id] = self._rows.pop(p.req_id, -1)
-            self._keys.pop(p.req_id, None)
         meta.flush = bool(meta.pending_saves) and not self._inflight
         return meta
 
