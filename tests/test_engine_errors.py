@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +95,37 @@ def test_model_free_methods_need_no_drafter_but_a_target(tmp_path):
     cfg.methods = ["chain"]
     with pytest.raises(Exception, match="ckpt"):  # chain needs the drafter: Hydra's missing value
         evaluate_in_engine(cfg, tmp_path)
+
+
+def _engine_processes() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "VLLM::|dflash_lit.eval.vllm_worker"],
+                         capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed")
+def test_a_killed_evaluation_leaves_no_engine_behind(tmp_path):
+    """kill -9 of evaluate.py while its engine serves: the worker and every vLLM process it
+    started go with it (none is left holding the model)."""
+    before = _engine_processes()
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "evaluate.py"), "engine=vllm",
+         f"ckpt={ROOT / 'artifacts/tiny/drafter'}", "prompts=tiny_heldout", "limit=40",
+         "max_new_tokens=128", "dtype=float32", "methods=[ngram]", "progress=false",
+         "plot=false", f"out={out}", "warmup=false", "+vllm.extra_args.enforce_eager=true"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not list(out.glob("engine_runs/*.progress")) and time.time() - t0 < 240:
+        assert proc.poll() is None, "the evaluation ended before its engine served"
+        time.sleep(0.2)
+    started = _engine_processes() - before
+    assert any("VLLM::" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")
+               for p in started if Path(f"/proc/{p}").exists()), "no engine process seen"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t0 = time.time()
+    while _engine_processes() & started and time.time() - t0 < 30:
+        time.sleep(0.5)
+    assert not _engine_processes() & started, "engine processes outlived the killed evaluation"
+    assert not (out / "report.json").exists()

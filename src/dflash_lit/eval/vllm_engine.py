@@ -25,6 +25,7 @@ from typing import Any
 from dflash_lit.errors import UserError
 from dflash_lit.eval.report import EvalSettings, best_model_free, pooled_stats, strict_json
 from dflash_lit.eval.speculative import first_mismatch
+from dflash_lit.lifetime import die_with_parent, engine_env
 
 log = logging.getLogger("evaluate")
 
@@ -110,7 +111,8 @@ def run_worker(job: dict[str, Any], work: Path, name: str, timeout_s: float,
     with open(log_path, "w") as logf:
         proc = subprocess.Popen([sys.executable, "-m", "dflash_lit.eval.vllm_worker",
                                  str(job_path), str(out_path)], stdout=logf,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                                env=engine_env())
         try:
             while proc.poll() is None:
                 if time.perf_counter() - t0 > timeout_s:

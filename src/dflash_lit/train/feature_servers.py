@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from dflash_lit.data.vllm_features.client import FeatureClient, FeatureServerError, ServerFeatures
 from dflash_lit.errors import UserError
+from dflash_lit.lifetime import engine_env
 from dflash_lit.train.checkpointing import checkpoint_dir
 from dflash_lit.train.feature_cache import build_target_config, target_fingerprint
 
@@ -166,8 +167,9 @@ def serve(cfg: DictConfig) -> int:
     engine["max_model_len"] = ecfg.max_model_len or int(cfg.data.max_length) + 1
     cmd = server_command(target, connector, capture_ids(layer_ids, info["num_layers"]), dtype,
                          str(fcfg.serve.host), int(fcfg.serve.port), engine)
-    env = {**os.environ, SPOOL_ENV: str(spool), WAIT_ENV: str(fcfg.serve.wait_s),
-           TTL_ENV: str(fcfg.serve.ttl_s), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    env = engine_env({**os.environ, SPOOL_ENV: str(spool), WAIT_ENV: str(fcfg.serve.wait_s),
+                      TTL_ENV: str(fcfg.serve.ttl_s),
+                      "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")})
     print(f"feature server for layers {layer_ids} (top-k {topk}, {fcfg.dtype}) of {target} on "
           f"http://{fcfg.serve.host}:{fcfg.serve.port}", flush=True)
     print(json.dumps(cmd), flush=True)

@@ -25,8 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_lit.atomic import replace_dir
 from dflash_lit.data.features import write_manifest
-from dflash_lit.data.vllm_features.rows import capture_ids, check_vllm_version, die_with_parent
+from dflash_lit.data.vllm_features.rows import capture_ids, check_vllm_version
 from dflash_lit.errors import UserError
+from dflash_lit.lifetime import die_with_parent, engine_env
 
 INSTALL = "bash scripts/install_engine.sh (CPU) or pip install vllm (GPU)"
 
@@ -162,7 +163,7 @@ def _run_worker(job: dict[str, Any], build: Path, timeout_s: float, progress) ->
     with open(log_path, "a") as logf:
         proc = subprocess.Popen([sys.executable, "-m", "dflash_lit.data.vllm_features.worker",
                                  str(job_path)], stdout=logf, stderr=subprocess.STDOUT,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=die_with_parent, env=engine_env())
         try:
             while proc.poll() is None:
                 if time.perf_counter() - t0 > timeout_s:

