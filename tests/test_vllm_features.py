@@ -134,6 +134,41 @@ def test_training_from_the_vllm_cache_matches_within_2_percent(runs):
         assert abs(a[s] - b[s]) <= 0.02 * abs(a[s]), (s, a[s], b[s])
 
 
+def test_data_parallel_ranks_get_their_own_devices(monkeypatch):
+    from dflash_lit.data.vllm_features.build import rank_envs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert rank_envs(1, 1) == [{}]
+    assert rank_envs(2, 2) == [{"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                               {"VLLM_CPU_OMP_THREADS_BIND": "2|3"}]
+    assert rank_envs(1, 2) == [{"VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"}]
+    with pytest.raises(UserError, match=r"data_parallel_size=3 x tensor_parallel_size=2 needs 6 "
+                                        r"CPU cores; 5 available"):
+        rank_envs(3, 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert rank_envs(2, 2) == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    with pytest.raises(UserError, match=r"needs 8 GPUs; 4 visible"):
+        rank_envs(4, 2)
+
+
+def test_two_data_parallel_engines_build_the_same_cache(tmp_path, data, runs):
+    """features.engine.data_parallel_size=2: two engines (one core each here) split the rows;
+    the cache holds what one engine's holds."""
+    _require_engine()
+    run_train(_ov(tmp_path, data, *VLLM, "features.engine.data_parallel_size=2",
+                  "trainer.max_steps=1"), tmp_path / "dp2")
+    st, ref = _store(tmp_path, engine=True), _store(runs, engine=True)
+    assert st.manifest["fingerprint"]["engine"]["data_parallel_size"] == 2
+    assert {p.name.split("-")[1] for p in st.path.glob("part-*.arrow")} == {"000r0", "000r1"}
+    assert st._lengths == ref._lengths
+    for r, n in ref._lengths.items():
+        assert float((to_tensor(st.hidden(r, n)) - to_tensor(ref.hidden(r, n))).abs().max()) < 1e-5
+        assert np.array_equal(st.argmax(r, n), ref.argmax(r, n))
+
+
 def test_a_killed_build_resumes_from_its_committed_parts(tmp_path, data, runs):
     """kill -9 of the trainer mid-build: the engine dies with it, the rerun keeps the committed
     parts, sends only the rest, and the finished cache holds the same rows and numbers."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -63,9 +64,9 @@ def engine_fingerprint(ecfg: DictConfig, dtype: str) -> dict[str, Any]:
 
 
 def llm_kwargs(ecfg: DictConfig, max_model_len: int) -> dict[str, Any]:
-    """``vllm.LLM`` keyword arguments from ``features.engine``."""
+    """``vllm.LLM`` keyword arguments of one data-parallel rank from ``features.engine`` (the
+    offline engine has no data parallelism of its own: each rank is an engine of its own)."""
     return {"tensor_parallel_size": int(ecfg.tensor_parallel_size),
-            "data_parallel_size": int(ecfg.data_parallel_size),
             "gpu_memory_utilization": float(ecfg.memory_fraction),
             "max_model_len": int(ecfg.max_model_len or max_model_len),
             "max_num_seqs": int(ecfg.max_num_seqs), "enforce_eager": bool(ecfg.enforce_eager),
@@ -99,8 +100,9 @@ def _write_todo(dataset, positions: np.ndarray, path: Path, chunk: int = 1024) -
 def build_cache_vllm(cfg: DictConfig, dataset, out: Path, fp: dict[str, Any], topk: int,
                      layer_ids: list[int], num_layers: int, hidden_size: int,
                      what: str = "data") -> None:
-    """Build the cache of ``dataset`` at ``out`` through vLLM (resuming a killed build); the
-    engine's log is kept in the cache as ``worker.log``."""
+    """Build the cache of ``dataset`` at ``out`` through vLLM (resuming a killed build), with
+    ``features.engine.data_parallel_size`` engines side by side; the engines' logs are kept in
+    the cache (``worker.log``, or ``worker-<rank>.log``)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     fcfg, ecfg = cfg.features, cfg.features.engine
@@ -116,72 +118,120 @@ def build_cache_vllm(cfg: DictConfig, dataset, out: Path, fp: dict[str, Any], to
         if done:
             print(f"feature cache for {what}: resuming the vLLM build, {len(done)} of "
                   f"{len(dataset)} rows kept", flush=True)
-        todo = build / "todo.arrow"
-        _write_todo(dataset, positions, todo)
+        dp, tp = int(ecfg.data_parallel_size), int(ecfg.tensor_parallel_size)
         tcfg = cfg.target
-        job = {"todo": str(todo), "target": str(Path(tcfg.path).resolve()),
-               "dtype": fp["engine"]["dtype"], "capture": capture,
-               "llm_kwargs": llm_kwargs(ecfg, int(dataset.lengths.max()) + 1),
-               "connector": {"target": str(Path(tcfg.path).resolve()),
-                             "layer_ids": [int(i) for i in layer_ids], "num_layers": num_layers,
-                             "dtype": fp["engine"]["dtype"], "store_dtype": str(fcfg.dtype),
-                             "topk": int(topk), "sink": "cache", "dir": str(build),
-                             "prefix": f"{attempt:03d}", "part_mb": int(fcfg.part_mb)}}
+        jobs, envs = [], []
+        for k, env in enumerate(rank_envs(dp, tp)):  # rank k: every dp-th missing row
+            if not len(positions[k::dp]):
+                continue
+            todo = build / f"todo-{k}.arrow"
+            _write_todo(dataset, positions[k::dp], todo)
+            envs.append(env)
+            jobs.append({"todo": str(todo), "target": str(Path(tcfg.path).resolve()),
+                         "dtype": fp["engine"]["dtype"], "capture": capture,
+                         "llm_kwargs": llm_kwargs(ecfg, int(dataset.lengths.max()) + 1),
+                         "connector": {"target": str(Path(tcfg.path).resolve()),
+                                       "layer_ids": [int(i) for i in layer_ids],
+                                       "num_layers": num_layers,
+                                       "dtype": fp["engine"]["dtype"],
+                                       "store_dtype": str(fcfg.dtype), "topk": int(topk),
+                                       "sink": "cache", "dir": str(build),
+                                       "prefix": f"{attempt:03d}" + (f"r{k}" if dp > 1 else ""),
+                                       "part_mb": int(fcfg.part_mb)}})
         with Progress(TextColumn(f"target features by vLLM ({what})"), BarColumn(),
                       TextColumn("{task.completed}/{task.total} rows"),
                       TimeRemainingColumn()) as bar:
             task = bar.add_task("rows", total=len(dataset), completed=len(done))
-            _run_worker(job, build, float(fcfg.timeout_s),
-                        lambda k: bar.update(task, completed=len(done) + k))
+            _run_workers(jobs, envs, build, float(fcfg.timeout_s),
+                         lambda k: bar.update(task, completed=len(done) + k))
         done = _committed_rows(build)
     missing = [int(r) for r in dataset.rows.tolist() if r not in done]
     if missing:
         raise FeatureEngineError(
             f"feature cache for {what}: vLLM finished but {len(missing)} rows have no features "
             f"(e.g. data row {missing[0]}); rerun to send them again")
-    stats = build / "job.stats.json"
-    engine_s = json.loads(stats.read_text()) if stats.exists() else {}
-    for f in ("todo.arrow", "job.json", "job.progress", "job.stats.json"):
-        (build / f).unlink(missing_ok=True)
+    stats = [json.loads(f.read_text()) for f in sorted(build.glob("job-*.stats.json"))]
+    startup = max((st.get("startup_s", 0.0) for st in stats), default=0.0)
+    for f in [*build.glob("todo-*.arrow"), *build.glob("job-*.json"), *build.glob("job-*.progress")]:
+        f.unlink()
     parts = sorted(build.glob("part-*.arrow"))
     write_manifest(build, fp, {"rows": len(dataset), "tokens": int(dataset.lengths.sum()),
                                "feature_dim": len(layer_ids) * int(hidden_size),
                                "bytes": sum(f.stat().st_size for f in parts),
                                "build_s": round(time.time() - t0, 1),
-                               "engine_startup_s": round(engine_s.get("startup_s", 0.0), 1)})
+                               "engine_startup_s": round(startup, 1)})
     replace_dir(build, out)
     print(f"feature cache for {what}: {len(dataset)} rows by vLLM -> {out}", flush=True)
 
 
-def _run_worker(job: dict[str, Any], build: Path, timeout_s: float, progress) -> None:
-    """Run the worker; ``progress(rows done this run)`` while it runs."""
-    job_path, log_path = build / "job.json", build / "worker.log"
-    prog = job_path.with_suffix(".progress")
-    prog.unlink(missing_ok=True)
-    job_path.write_text(json.dumps(job))
+def rank_envs(dp: int, tp: int) -> list[dict[str, str]]:
+    """Each data-parallel rank's devices: its ``tp`` GPUs of the visible ones, or on a CPU its
+    share of this process's cores (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``, one group per
+    tensor-parallel rank); an explicit binding in the environment is kept for a single rank."""
+    import torch
+
+    if torch.cuda.is_available():
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devs = vis.split(",") if vis else [str(i) for i in range(torch.cuda.device_count())]
+        if len(devs) < dp * tp:
+            raise UserError(f"features.engine: data_parallel_size={dp} x tensor_parallel_size="
+                            f"{tp} needs {dp * tp} GPUs; {len(devs)} visible")
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(devs[k * tp:(k + 1) * tp])} for k in range(dp)]
+    if dp * tp == 1 or (dp == 1 and "VLLM_CPU_OMP_THREADS_BIND" in os.environ):
+        return [{}] * dp
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < dp * tp:
+        raise UserError(f"features.engine: data_parallel_size={dp} x tensor_parallel_size={tp} "
+                        f"needs {dp * tp} CPU cores; {len(cores)} available")
+    per = len(cores) // (dp * tp)
+    groups = [",".join(map(str, cores[g * per:(g + 1) * per])) for g in range(dp * tp)]
+    return [{"VLLM_CPU_OMP_THREADS_BIND": "|".join(groups[k * tp:(k + 1) * tp])}
+            for k in range(dp)]
+
+
+def _run_workers(jobs: list[dict[str, Any]], envs: list[dict[str, str]], build: Path,
+                 timeout_s: float, progress) -> None:
+    """Run one worker per data-parallel rank; ``progress(rows done this run)`` while they run.
+    One failing rank stops the others (their committed rows stay for a rerun)."""
+    procs, progs, logs = [], [], []
     t0 = time.perf_counter()
-    with open(log_path, "a") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "dflash_lit.data.vllm_features.worker",
-                                 str(job_path)], stdout=logf, stderr=subprocess.STDOUT,
-                                preexec_fn=die_with_parent, env=engine_env())
-        try:
-            while proc.poll() is None:
-                if time.perf_counter() - t0 > timeout_s:
-                    raise FeatureEngineError(
-                        f"vLLM ran past features.timeout_s={timeout_s:g} (log: {log_path});"
-                        " stopped it; rerun to resume from the committed rows")
-                if prog.exists() and (s := prog.read_text().split()):
-                    progress(int(s[0]))
-                time.sleep(0.5)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if proc.returncode != 0:
-        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-        err = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "")
-        raise FeatureEngineError(
-            f"vLLM exited with code {proc.returncode} while building features: {err.strip()[:300]}"
-            f" (log: {log_path}); rerun to resume from the committed rows")
-    if prog.exists() and (s := prog.read_text().split()):
-        progress(int(s[0]))
+
+    def done() -> int:
+        return sum(int(s[0]) for p in progs if p.exists() and (s := p.read_text().split()))
+
+    try:
+        for k, (job, env) in enumerate(zip(jobs, envs)):
+            job_path = build / f"job-{k}.json"
+            log_path = build / ("worker.log" if len(jobs) == 1 else f"worker-{k}.log")
+            prog = job_path.with_suffix(".progress")
+            prog.unlink(missing_ok=True)
+            job_path.write_text(json.dumps(job))
+            with open(log_path, "a") as logf:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "dflash_lit.data.vllm_features.worker", str(job_path)],
+                    stdout=logf, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                    env=engine_env({**os.environ, **env})))
+            progs.append(prog)
+            logs.append(log_path)
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            if time.perf_counter() - t0 > timeout_s:
+                raise FeatureEngineError(
+                    f"vLLM ran past features.timeout_s={timeout_s:g} (log: {logs[0]}); stopped "
+                    "it; rerun to resume from the committed rows")
+            progress(done())
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, log_path in zip(procs, logs):
+        if p.returncode != 0:
+            lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+            err = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "")
+            raise FeatureEngineError(
+                f"vLLM exited with code {p.returncode} while building features: "
+                f"{err.strip()[:300]} (log: {log_path}); rerun to resume from the committed rows")
+    progress(done())
