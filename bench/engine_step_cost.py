@@ -124,8 +124,9 @@ def main() -> None:
         f"\n\n{args.limit} prompts x {args.max_new_tokens} new tokens, greedy, float32, one "
         "request at a time, in-process engine, each pass in a fresh engine; shares of the profiled "
         "engine step time. Steps include each request's prefill step.")
-    write_result(args.name, {"args": {k: v for k, v in vars(args).items()
-                                      if k not in ("method", "out", "profile")}, "methods": res}, table)
+    recorded = {k: os.path.relpath(v, REPO) if k in ("target", "drafter", "prompts") else v
+                for k, v in vars(args).items() if k not in ("method", "out", "profile")}
+    write_result(args.name, {"args": recorded, "methods": res}, table)
 
 
 if __name__ == "__main__":

@@ -119,18 +119,19 @@ def build_cache_vllm(cfg: DictConfig, dataset, out: Path, fp: dict[str, Any], to
             print(f"feature cache for {what}: resuming the vLLM build, {len(done)} of "
                   f"{len(dataset)} rows kept", flush=True)
         dp, tp = int(ecfg.data_parallel_size), int(ecfg.tensor_parallel_size)
-        tcfg = cfg.target
+        target = str(Path(cfg.target.path).resolve())
+        kwargs = llm_kwargs(ecfg, int(dataset.lengths.max()) + 1)
         jobs, envs = [], []
         for k, env in enumerate(rank_envs(dp, tp)):  # rank k: every dp-th missing row
-            if not len(positions[k::dp]):
+            mine = positions[k::dp]
+            if not len(mine):
                 continue
             todo = build / f"todo-{k}.arrow"
-            _write_todo(dataset, positions[k::dp], todo)
+            _write_todo(dataset, mine, todo)
             envs.append(env)
-            jobs.append({"todo": str(todo), "target": str(Path(tcfg.path).resolve()),
-                         "dtype": fp["engine"]["dtype"], "capture": capture,
-                         "llm_kwargs": llm_kwargs(ecfg, int(dataset.lengths.max()) + 1),
-                         "connector": {"target": str(Path(tcfg.path).resolve()),
+            jobs.append({"todo": str(todo), "target": target, "dtype": fp["engine"]["dtype"],
+                         "capture": capture, "llm_kwargs": kwargs,
+                         "connector": {"target": target,
                                        "layer_ids": [int(i) for i in layer_ids],
                                        "num_layers": num_layers,
                                        "dtype": fp["engine"]["dtype"],

@@ -38,7 +38,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from dflash_lit.data.vllm_features.rows import check_vllm_version
-from dflash_lit.lifetime import die_with_parent
 
 check_vllm_version(vllm.__version__)
 
@@ -67,7 +66,6 @@ class DFlashFeatureConnector(ExampleHiddenStatesConnector):
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        die_with_parent()  # the engine core / worker goes when the process that started it does
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._settings = dict(extra)
         self._inflight: set[str] = set()
