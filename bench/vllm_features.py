@@ -15,6 +15,8 @@ in one run: equality and build speed, and optionally the same training from both
     python bench/vllm_features.py --train --no-builds --name vllm_features_tiny_spread
     python bench/vllm_features.py --name vllm_features_smollm2 --rows 200 --overrides \
         experiment=v5_hardce target=smollm2 data=smollm2 drafter=smollm2 budget=smollm2_cpu
+
+With ``--rows N`` the training runs use the first N train rows too (a shard copy of them).
 """
 
 from __future__ import annotations
@@ -86,6 +88,25 @@ def builds(overrides: list[str], rows: int | None, eager: bool) -> dict:
             "max_abs_diff_per_layer": per_layer.tolist(), "argmax_agreement": agree / total}
 
 
+def subset_shards(cfg_path: str, rows: int, out: Path) -> Path:
+    """The first ``rows`` rows of the train shards at ``cfg_path``, as one Parquet shard."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_lit.data.shards import find_shards
+
+    tables, n = [], 0
+    for f in find_shards(cfg_path):
+        t = pq.read_table(f)
+        tables.append(t.slice(0, rows - n))
+        n += tables[-1].num_rows
+        if n >= rows:
+            break
+    out.mkdir(parents=True)
+    pq.write_table(pa.concat_tables(tables), out / "shard-00000.parquet")
+    return out
+
+
 def train_losses(overrides: list[str], features: str, run_dir: Path, log_dir: Path,
                  extra: tuple[str, ...] = ()) -> dict[int, float]:
     cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"features={features}",
@@ -145,6 +166,9 @@ def main() -> None:
     if args.train:
         tmp = Path(tempfile.mkdtemp())
         try:
+            if args.rows is not None:
+                path = compose_train(ov).data.path
+                ov = [*ov, f"data.path={subset_shards(path, args.rows, tmp / 'subset')}"]
             a = train_losses(ov, "cache", tmp / "cache", tmp / "out")
             v = train_losses(ov, "vllm", tmp / "vllm", tmp / "out")
             r = train_losses(ov, "cache", tmp / "rebatched", tmp / "out",
@@ -160,7 +184,8 @@ def main() -> None:
                  f"worst {args.window}-step average": f"{100 * p['max_rel_diff_smoothed']:.2f}%",
                  "final loss": f"{p['final_loss_a']:.4f} / {p['final_loss_b']:.4f}"}
                 for k, p in pairs.items()]
-        table += (("\n\n" if table else "") + f"training ({' '.join(ov)}, bf16 storage, same seed; "
+        table += (("\n\n" if table else "") + f"training ({' '.join(args.overrides)}"
+                  + (f", first {args.rows} train rows" if args.rows is not None else "") + f", bf16 storage, same seed; "
                   f"relative loss differences; re-batched = the HF forward at "
                   f"features.batch_tokens={args.rebatch_tokens}):\n\n" + fmt_table(rows))
     write_result(args.name, payload, table)

@@ -64,6 +64,8 @@ def test_engine_settings_and_methods_fail_in_one_line():
         EngineSettings(concurrency=[0]).validate()
     with pytest.raises(UserError, match=r"vllm.memory_fraction=1.5"):
         EngineSettings(memory_fraction=1.5).validate()
+    with pytest.raises(UserError, match=r"vllm.repeats=0: rounds of every method"):
+        EngineSettings(repeats=0).validate()
     with pytest.raises(UserError, match=r"ngram.rule=latest: vLLM drafts from the earliest"):
         speculative_config("ngram", EvalSettings(ngram_rule="latest"), None, 16)
     with pytest.raises(UserError, match=r"suffix.min_token_prob=2"):

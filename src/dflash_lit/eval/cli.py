@@ -228,6 +228,7 @@ def evaluate_in_engine(cfg: DictConfig, out_dir: str | Path) -> int:
                             max_model_len=int(cfg.vllm.max_model_len),
                             memory_fraction=float(cfg.vllm.memory_fraction),
                             timeout_s=float(cfg.vllm.timeout_s),
+                            repeats=cfg.vllm.repeats,
                             extra_args=OmegaConf.to_container(cfg.vllm.extra_args, resolve=True) or {})
     engine.validate()
     if cfg.draft_vocab or cfg.trim_drafts:

@@ -339,6 +339,17 @@ def _fmt(x: Any, nd: int = 2) -> str:
     return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
+def vs_best_text(report: dict[str, Any], method: str) -> str:
+    """``method``'s tokens/s over the strongest model-free method's: an engine report's paired
+    per-round ratio (median, with its range over several rounds), else the plain ratio."""
+    r = (report.get("vs_best") or {}).get(method)
+    if r is None:
+        best = report["methods"][report["best_model_free"]]
+        return f"{report['methods'][method]['tokens_per_s'] / best['tokens_per_s']:.2f}x"
+    band = f" [{r['min']:.2f}-{r['max']:.2f}]" if r["rounds"] > 1 else ""
+    return f"{r['median']:.2f}x{band}"
+
+
 def summary_markdown(report: dict[str, Any]) -> str:
     """A Markdown table: τ, tokens/s and speedup per method, plus per-slot acceptance."""
     s = report["settings"]
@@ -353,9 +364,12 @@ def summary_markdown(report: dict[str, Any]) -> str:
     ]
     eng = report.get("engine")
     if eng:
+        reps = eng.get("repeats", 1)
         lines += [f"- served by **{eng['name']} {eng['version']}** ({eng['dtype']}; every method "
                   "in a fresh engine; chain = vLLM's dflash method with the exported drafter); "
-                  f"tokens/s below at concurrency {eng['tokens_per_s_measured_at']}", ""]
+                  f"tokens/s below at concurrency {eng['tokens_per_s_measured_at']}"
+                  + (f"; {reps} rounds: tokens/s and speedups are medians, ratios the median "
+                     "[min-max] of the ratios within each round" if reps > 1 else ""), ""]
     best = report.get("best_model_free")
     ref = report["methods"].get(best) if best else None
     if best:
@@ -370,7 +384,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
         tau = "1 (by definition)" if k == "baseline" else _fmt(m["tau"])
         vs = "-"
         if ref and k != "baseline" and m["tau"] and ref["tau"] and ref["tokens_per_s"]:
-            vs = f"{m['tau'] / ref['tau']:.2f}x / {m['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
+            vs = f"{m['tau'] / ref['tau']:.2f}x / {vs_best_text(report, k)}"
         lines.append(
             f"| {k} | {tau} | {_fmt(m['tau_per_prompt_mean'])} | {m['steps']} | "
             f"{_fmt(m['tokens_per_s'], 1)} | {_fmt(m['speedup'])}x | {vs} | {m['target_forwards']} |"

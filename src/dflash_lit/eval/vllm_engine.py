@@ -8,6 +8,11 @@ request's output one engine step at a time (every step after the prefill verifie
 or none), so τ = tokens committed by the verify steps / verify steps, as the in-process
 evaluator counts it. (The engine's own per-step accepted counts leave out steps without a
 draft, and its aggregate counters count the last step's tokens past ``max_tokens``.)
+
+Timings on a shared machine drift by tens of percent between engine runs minutes apart, so
+``vllm.repeats`` serves every method that many times, round after round (the methods
+interleaved, each round starting one method later): tokens/s is each method's median over the rounds, and a ratio between two
+methods is the median of the ratios taken within each round, reported with its range.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
+import statistics
 import subprocess
 import sys
 import time
@@ -26,6 +33,7 @@ from dflash_lit.errors import UserError
 from dflash_lit.eval.report import EvalSettings, best_model_free, pooled_stats, strict_json
 from dflash_lit.eval.speculative import first_mismatch
 from dflash_lit.lifetime import die_with_parent, engine_env
+from dflash_lit.machine import cpu_name
 
 log = logging.getLogger("evaluate")
 
@@ -46,6 +54,7 @@ class EngineSettings:
     max_model_len: int = 2048
     memory_fraction: float = 0.15
     timeout_s: float = 1800.0
+    repeats: int = 1
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -57,6 +66,9 @@ class EngineSettings:
                             "vLLM reserves (RAM on CPU), in (0, 1), e.g. 0.15")
         if self.max_model_len < 2:
             raise UserError(f"vllm.max_model_len={self.max_model_len}: must be >= 2")
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise UserError(f"vllm.repeats={self.repeats}: rounds of every method, an int >= 1 "
+                            "(3 gives a median and a range)")
 
 
 def check_installed() -> None:
@@ -161,6 +173,37 @@ def summarize_engine(res: dict[str, Any], base: dict[str, Any] | None) -> dict[s
     }
 
 
+def _tps(res: dict[str, Any]) -> float:
+    return sum(len(r["tokens"]) for r in res["requests"]) / res["wall_time_s"]
+
+
+def round_timings(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per method, its timing over ``rounds`` (each: method -> one engine run's result at one
+    concurrency): tokens/s and wall time as medians, the speedup as the median of each round's
+    tokens/s over that round's plain engine, and every round's figures."""
+    out: dict[str, dict[str, Any]] = {}
+    for m in rounds[0]:
+        tps = [_tps(r[m]) for r in rounds]
+        speedups = [t / _tps(r["baseline"]) for t, r in zip(tps, rounds)]
+        out[m] = {"tokens_per_s": statistics.median(tps),
+                  "wall_time_s": statistics.median(r[m]["wall_time_s"] for r in rounds),
+                  "speedup": statistics.median(speedups),
+                  "tokens_per_s_rounds": tps, "speedup_rounds": speedups}
+    return out
+
+
+def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """``a``'s tokens/s over ``b``'s (two methods' report entries): the median of the ratios
+    within each round (machine drift between rounds cancels), with their min and max."""
+    ra, rb = a.get("tokens_per_s_rounds"), b.get("tokens_per_s_rounds")
+    if not ra or not rb:
+        r = a["tokens_per_s"] / b["tokens_per_s"]
+        return {"median": r, "min": r, "max": r, "rounds": 1}
+    ratios = [x / y for x, y in zip(ra, rb)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "rounds": len(ratios)}
+
+
 def run_engine_evaluation(
     target: str, tokenizer: str, drafter_dir: str | None, prompts: list[tuple[str, list[int]]],
     settings: EvalSettings, engine: EngineSettings, eos: list[int], dtype: str, block_size: int,
@@ -177,30 +220,39 @@ def run_engine_evaluation(
     if longest > engine.max_model_len:
         raise UserError(f"vllm.max_model_len={engine.max_model_len}: the longest prompt plus "
                         f"max_new_tokens is {longest} tokens; raise it")
-    runs: dict[int, dict[str, dict[str, Any]]] = {}
+    rounds: list[dict[int, dict[str, dict[str, Any]]]] = []
     t_start = time.perf_counter()
-    for conc in engine.concurrency:
-        runs[conc] = {}
-        for m in methods:
-            job = {"target": target, "tokenizer": tokenizer, "dtype": dtype, "prompts": ids,
-                   "max_tokens": settings.max_new_tokens, "stop_token_ids": eos,
-                   "concurrency": conc, "llm_kwargs": kwargs,
-                   "speculative_config": speculative_config(m, settings, drafter_dir, block_size)}
-            runs[conc][m] = run_worker(job, work, f"{m}_c{conc}", engine.timeout_s, progress)
+    for k in range(engine.repeats):
+        runs: dict[int, dict[str, dict[str, Any]]] = {}
+        for conc in engine.concurrency:
+            runs[conc] = {}
+            # each round starts one method later: no method always runs first after a pause
+            for m in methods[k % len(methods):] + methods[:k % len(methods)]:
+                job = {"target": target, "tokenizer": tokenizer, "dtype": dtype, "prompts": ids,
+                       "max_tokens": settings.max_new_tokens, "stop_token_ids": eos,
+                       "concurrency": conc, "llm_kwargs": kwargs,
+                       "speculative_config": speculative_config(m, settings, drafter_dir,
+                                                                block_size)}
+                name = f"{m}_c{conc}" + (f"_r{k}" if k else "")
+                runs[conc][m] = run_worker(job, work, name, engine.timeout_s, progress)
+        rounds.append(runs)
     first = engine.concurrency[0]
-    main = runs[first]
-    methods_out = {m: summarize_engine(r, main["baseline"]) for m, r in main.items()}
+    main = {m: rounds[0][first][m] for m in methods}
+    timing = {c: round_timings([r[c] for r in rounds]) for c in engine.concurrency}
+    methods_out = {m: {**summarize_engine(r, main["baseline"]), **timing[first][m]}
+                   for m, r in main.items()}
     mismatches = []
-    for conc, by_method in runs.items():
-        ref = by_method["baseline"]["requests"]
-        for m, r in by_method.items():
-            for (pid, _), got, want in zip(prompts, r["requests"], ref):
-                pos = first_mismatch(got["tokens"], want["tokens"])
-                if pos is not None and m != "baseline":
-                    mismatches.append({"prompt_id": pid, "method": m, "concurrency": conc,
-                                       "position": pos,
-                                       "expected": _at(want["tokens"], pos),
-                                       "got": _at(got["tokens"], pos)})
+    for k, runs in enumerate(rounds):
+        for conc, by_method in runs.items():
+            ref = by_method["baseline"]["requests"]
+            for m, r in by_method.items():
+                for (pid, _), got, want in zip(prompts, r["requests"], ref):
+                    pos = first_mismatch(got["tokens"], want["tokens"])
+                    if pos is not None and m != "baseline":
+                        mismatches.append({"prompt_id": pid, "method": m, "concurrency": conc,
+                                           "round": k, "position": pos,
+                                           "expected": _at(want["tokens"], pos),
+                                           "got": _at(got["tokens"], pos)})
     per_prompt = []
     for i, (pid, p) in enumerate(prompts):
         row: dict[str, Any] = {"id": pid, "prompt_tokens": len(p),
@@ -210,10 +262,10 @@ def run_engine_evaluation(
         per_prompt.append(row)
     any_run = next(iter(main.values()))
     concurrency = {
-        str(c): {m: {k: v for k, v in summarize_engine(r, by["baseline"]).items()
-                     if k in ("tau", "steps", "tokens", "wall_time_s", "tokens_per_s", "speedup")}
+        str(c): {m: {**{k: v for k, v in summarize_engine(r, by["baseline"]).items()
+                        if k in ("tau", "steps", "tokens")}, **timing[c][m]}
                  for m, r in by.items()}
-        for c, by in runs.items()
+        for c, by in rounds[0].items()
     }
     report: dict[str, Any] = {
         "num_prompts": len(prompts),
@@ -230,14 +282,18 @@ def run_engine_evaluation(
             "name": "vllm", "version": any_run["vllm_version"], "llm_kwargs": any_run["llm_kwargs"],
             "dtype": dtype, "concurrency": concurrency,
             "speculative_config": {m: r["speculative_config"] for m, r in main.items()},
-            "tokens_per_s_measured_at": first,
+            "tokens_per_s_measured_at": first, "repeats": engine.repeats,
+            "machine": f"{cpu_name()}, {os.cpu_count()} cores",
         },
     }
     m = report["methods"]
     report["tau_chain"] = m["chain"]["tau"] if "chain" in m else None
     report["tau_tree"] = {}
     report["tau_ngram"] = m["ngram"]["tau"] if "ngram" in m else None
-    report["best_model_free"] = best_model_free(m)
+    best = report["best_model_free"] = best_model_free(m)
+    # each method's tokens/s over the strongest model-free method's, paired within rounds
+    report["vs_best"] = ({k: paired_ratio(v, m[best]) for k, v in m.items() if k != "baseline"}
+                         if best else {})
     return strict_json(report)
 
 

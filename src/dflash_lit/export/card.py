@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from dflash_lit.errors import UserError
+from dflash_lit.eval.report import vs_best_text
 from dflash_lit.machine import cpu_name
 from dflash_lit.paths import repo_relative
 
@@ -63,8 +64,7 @@ def _engine_section(report: dict[str, Any], drafter_dir: str) -> str:
             continue
         r = m[k]
         tau = "1" if k == "baseline" else f"{r['tau']:.2f}"
-        vs = (f"{r['tokens_per_s'] / m[best]['tokens_per_s']:.2f}x"
-              if best and k != "baseline" else "-")
+        vs = vs_best_text(report, k) if best and k != "baseline" else "-"
         rows.append(f"| {names[k]} | {tau} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {vs} |")
     p = report["prompts"]
     s = report["settings"]
@@ -73,7 +73,8 @@ def _engine_section(report: dict[str, Any], drafter_dir: str) -> str:
            + (f" limit={p['limit']}" if p.get("limit") else "")
            + f" max_new_tokens={s['max_new_tokens']} dtype={eng['dtype']}"
            + f" 'methods=[{','.join(k for k in m if k != 'baseline')}]'"
-           + f" 'vllm.concurrency=[{','.join(str(c) for c in eng['concurrency'])}]'")
+           + f" 'vllm.concurrency=[{','.join(str(c) for c in eng['concurrency'])}]'"
+           + (f" vllm.repeats={eng['repeats']}" if eng.get("repeats", 1) > 1 else ""))
     if cfg.get("target"):
         cmd += f" target={repo_relative(cfg['target'])}"
     lossless = "yes" if report["lossless"] else f"NO ({len(report['mismatches'])} mismatches)"
@@ -87,12 +88,15 @@ def _engine_section(report: dict[str, Any], drafter_dir: str) -> str:
     if more:
         rows.append("")
         rows.extend(more)
+    reps = eng.get("repeats", 1)
+    rounds = (f" ({reps} rounds, the methods interleaved: tokens/s and x plain are medians, "
+              "\"vs\" the median [min-max] of the ratios within each round)" if reps > 1 else "")
     return f"""## In vLLM {eng['version']}
 
 {report['num_prompts']} held-out prompts (`{p['set']}`) x {s['max_new_tokens']} new tokens, greedy,
-{eng['dtype']}, one request at a time, each method in a fresh engine; {_machine()}.
+{eng['dtype']}, one request at a time, each method in a fresh engine; {eng.get('machine') or _machine()}.
 τ = tokens per verify step (bonus included); "vs {best}" is against the engine's fastest
-model-free method in the same run.
+model-free method in the same run{rounds}.
 
 | method | τ | tokens/s | x plain | vs {best} |
 |---|---|---|---|---|
