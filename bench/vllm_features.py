@@ -184,9 +184,9 @@ def main() -> None:
                  f"worst {args.window}-step average": f"{100 * p['max_rel_diff_smoothed']:.2f}%",
                  "final loss": f"{p['final_loss_a']:.4f} / {p['final_loss_b']:.4f}"}
                 for k, p in pairs.items()]
-        table += (("\n\n" if table else "") + f"training ({' '.join(args.overrides)}"
-                  + (f", first {args.rows} train rows" if args.rows is not None else "") + f", bf16 storage, same seed; "
-                  f"relative loss differences; re-batched = the HF forward at "
+        subset = f", first {args.rows} train rows" if args.rows is not None else ""
+        table += (("\n\n" if table else "") + f"training ({' '.join(args.overrides)}{subset}, "
+                  "bf16 storage, same seed; relative loss differences; re-batched = the HF forward at "
                   f"features.batch_tokens={args.rebatch_tokens}):\n\n" + fmt_table(rows))
     write_result(args.name, payload, table)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -15,3 +16,8 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def describe() -> str:
+    """``"<CPU model>, <N> cores"``: the machine a timing was measured on."""
+    return f"{cpu_name()}, {os.cpu_count()} cores"

@@ -11,8 +11,9 @@ draft, and its aggregate counters count the last step's tokens past ``max_tokens
 
 Timings on a shared machine drift by tens of percent between engine runs minutes apart, so
 ``vllm.repeats`` serves every method that many times, round after round (the methods
-interleaved, each round starting one method later): tokens/s is each method's median over the rounds, and a ratio between two
-methods is the median of the ratios taken within each round, reported with its range.
+interleaved, each round starting one method later): tokens/s is each method's median over the
+rounds, and a ratio between two methods is the median of the ratios taken within each round,
+reported with its range.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import statistics
 import subprocess
 import sys
@@ -33,7 +33,7 @@ from dflash_lit.errors import UserError
 from dflash_lit.eval.report import EvalSettings, best_model_free, pooled_stats, strict_json
 from dflash_lit.eval.speculative import first_mismatch
 from dflash_lit.lifetime import die_with_parent, engine_env
-from dflash_lit.machine import cpu_name
+from dflash_lit.machine import describe
 
 log = logging.getLogger("evaluate")
 
@@ -152,19 +152,17 @@ def run_worker(job: dict[str, Any], work: Path, name: str, timeout_s: float,
     return json.loads(out_path.read_text())
 
 
-def summarize_engine(res: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
-    """The in-process report's per-method fields from one engine run."""
+def summarize_engine(res: dict[str, Any]) -> dict[str, Any]:
+    """The in-process report's per-method fields from one engine run (its speedup is left to
+    ``round_timings``, which sets it against the plain engine of the same round)."""
     reqs = res["requests"]
-    base_tps = None
-    if base is not None:
-        base_tps = sum(len(r["tokens"]) for r in base["requests"]) / base["wall_time_s"]
     acc = [a for r in reqs for a in (r["accepted"] or [])]
     drafted = [d for r in reqs for d in (r["drafted"] or [])]
     slots = max(drafted, default=0)
     step_taus = [r["steps"][1:] for r in reqs]  # the first delta is the prefill's token
     return {
         **pooled_stats(step_taus, sum(len(r["tokens"]) for r in reqs), res["wall_time_s"],
-                       base_tps, sum(len(t) + 1 for t in step_taus),
+                       None, sum(len(t) + 1 for t in step_taus),
                        [sum(a > k for a in acc) for k in range(slots)],
                        [sum(d > k for d in drafted) for k in range(slots)], sum(drafted)),
         "drafted_steps": len(drafted),
@@ -195,11 +193,7 @@ def round_timings(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str
 def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
     """``a``'s tokens/s over ``b``'s (two methods' report entries): the median of the ratios
     within each round (machine drift between rounds cancels), with their min and max."""
-    ra, rb = a.get("tokens_per_s_rounds"), b.get("tokens_per_s_rounds")
-    if not ra or not rb:
-        r = a["tokens_per_s"] / b["tokens_per_s"]
-        return {"median": r, "min": r, "max": r, "rounds": 1}
-    ratios = [x / y for x, y in zip(ra, rb)]
+    ratios = [x / y for x, y in zip(a["tokens_per_s_rounds"], b["tokens_per_s_rounds"])]
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
             "rounds": len(ratios)}
 
@@ -239,7 +233,7 @@ def run_engine_evaluation(
     first = engine.concurrency[0]
     main = {m: rounds[0][first][m] for m in methods}
     timing = {c: round_timings([r[c] for r in rounds]) for c in engine.concurrency}
-    methods_out = {m: {**summarize_engine(r, main["baseline"]), **timing[first][m]}
+    methods_out = {m: {**summarize_engine(r), **timing[first][m]}
                    for m, r in main.items()}
     mismatches = []
     for k, runs in enumerate(rounds):
@@ -262,7 +256,7 @@ def run_engine_evaluation(
         per_prompt.append(row)
     any_run = next(iter(main.values()))
     concurrency = {
-        str(c): {m: {**{k: v for k, v in summarize_engine(r, by["baseline"]).items()
+        str(c): {m: {**{k: v for k, v in summarize_engine(r).items()
                         if k in ("tau", "steps", "tokens")}, **timing[c][m]}
                  for m, r in by.items()}
         for c, by in rounds[0].items()
@@ -283,7 +277,7 @@ def run_engine_evaluation(
             "dtype": dtype, "concurrency": concurrency,
             "speculative_config": {m: r["speculative_config"] for m, r in main.items()},
             "tokens_per_s_measured_at": first, "repeats": engine.repeats,
-            "machine": f"{cpu_name()}, {os.cpu_count()} cores",
+            "machine": describe(),
         },
     }
     m = report["methods"]

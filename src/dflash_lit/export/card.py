@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import yaml
 
 from dflash_lit.errors import UserError
 from dflash_lit.eval.report import vs_best_text
-from dflash_lit.machine import cpu_name
+from dflash_lit.machine import describe
 from dflash_lit.paths import repo_relative
 
 
@@ -94,7 +93,7 @@ def _engine_section(report: dict[str, Any], drafter_dir: str) -> str:
     return f"""## In vLLM {eng['version']}
 
 {report['num_prompts']} held-out prompts (`{p['set']}`) x {s['max_new_tokens']} new tokens, greedy,
-{eng['dtype']}, one request at a time, each method in a fresh engine; {eng.get('machine') or _machine()}.
+{eng['dtype']}, one request at a time, each method in a fresh engine; {eng.get('machine') or describe()}.
 τ = tokens per verify step (bonus included); "vs {best}" is against the engine's fastest
 model-free method in the same run{rounds}.
 
@@ -105,10 +104,6 @@ model-free method in the same run{rounds}.
 Lossless (every output equal to vLLM's plain greedy output): {lossless}.
 Reproduce: `{cmd}`
 """
-
-
-def _machine() -> str:
-    return f"{cpu_name()}, {os.cpu_count()} cores"
 
 
 def model_card(serve: str, info: dict[str, Any], facts: dict[str, Any],
