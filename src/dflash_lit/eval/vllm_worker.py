@@ -67,6 +67,7 @@ def run(job: dict[str, Any], progress_path: Path) -> dict[str, Any]:
                 if m is not None:
                     r["accepted"], r["drafted"] = list(m.per_step_accepted), list(m.per_step_drafted)
                 r["finish_reason"] = out.outputs[0].finish_reason
+                r["done_s"] = time.perf_counter() - t_run  # shows one-time costs in the timed region
                 finished += 1
                 progress_path.write_text(f"{finished} {n}\n")
         admit()

@@ -1,0 +1,107 @@
+"""Drafters head to head in vLLM: several exported drafters and the engine's suffix decoding,
+served in the same interleaved rounds, so that the ratios between them are paired.
+
+Two separate ``evaluate.py engine=vllm vllm.repeats=3`` runs can disagree by ~30 % on the
+same method's tokens/s (the machine drifts between them), which is wider than the difference
+between two good drafters. Here every contestant runs once per round, each in a fresh engine,
+the order rotating by one each round; ratios are taken within a round and summarised as the
+median [min-max] over rounds.
+
+    python bench/engine_drafters.py --jobs outputs/eval/RUN/engine_runs \
+        --drafter shipped=artifacts/tiny/drafter --drafter new=outputs/eval/RUN/drafter
+
+``--jobs`` is the ``engine_runs`` directory of an earlier ``evaluate.py engine=vllm`` run with
+``chain`` and ``suffix`` among its methods: its ``chain_c1.job.json`` and ``suffix_c1.job.json``
+give the target, prompts, dtype, token budget and engine settings, so the contestants are
+served exactly as that evaluation served them. Every contestant's tokens must equal suffix
+decoding's (both lossless against the target's greedy output). Engine runs already written
+under ``outputs/bench/<name>/`` are read back. Writes ``bench/results/<name>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from common import REPO, fmt_table, machine_info, write_result
+
+from dflash_lit.eval.vllm_engine import run_worker
+from dflash_lit.paths import repo_relative
+
+
+def tokens_per_s(res: dict) -> float:
+    return sum(len(r["tokens"]) for r in res["requests"]) / res["wall_time_s"]
+
+
+def tau(res: dict) -> float:
+    """Tokens per engine step, the first (prefill) token of every request left out."""
+    reqs = res["requests"]
+    return (sum(len(r["tokens"]) for r in reqs) - len(reqs)) / (
+        sum(len(r["steps"]) for r in reqs) - len(reqs))
+
+
+def band(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f}x [{min(xs):.2f}-{max(xs):.2f}]"
+
+
+def served(job: dict, work: Path, name: str, timeout_s: float) -> dict:
+    """One contestant's engine run (read back when ``work/<name>.result.json`` exists, so a
+    killed comparison resumes at the run it lost)."""
+    done = work / f"{name}.result.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    return run_worker(job, work, name, timeout_s, True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", required=True, type=Path, help="engine_runs/ of an evaluation")
+    ap.add_argument("--drafter", action="append", required=True, metavar="NAME=DIR")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--name", default="engine_drafters_tiny")
+    ap.add_argument("--timeout-s", type=float, default=1800)
+    args = ap.parse_args()
+    chain_job = json.loads((args.jobs / "chain_c1.job.json").read_text())
+    suffix_job = json.loads((args.jobs / "suffix_c1.job.json").read_text())
+    jobs = {}
+    for spec in args.drafter:
+        name, path = spec.split("=", 1)
+        job = json.loads(json.dumps(chain_job))
+        job["speculative_config"]["model"] = str(Path(path).resolve())
+        jobs[name] = job
+    jobs["suffix"] = suffix_job
+    names = list(jobs)
+    work = REPO / "outputs" / "bench" / args.name
+    rounds: list[dict[str, dict]] = []
+    for k in range(args.rounds):
+        order = names[k % len(names):] + names[:k % len(names)]
+        rounds.append({n: served(jobs[n], work, f"{n}_r{k}", args.timeout_s) for n in order})
+    ref = [r["tokens"] for r in rounds[0]["suffix"]["requests"]]
+    lossless = all([r["tokens"] for r in rd[n]["requests"]] == ref
+                   for rd in rounds for n in names)
+    tps = {n: [tokens_per_s(rd[n]) for rd in rounds] for n in names}
+    rows = []
+    for n in names:
+        row = {"method": n if n == "suffix" else f"dflash `{n}`",
+               "tau": round(tau(rounds[0][n]), 3),
+               "tok/s per round": " / ".join(f"{x:.0f}" for x in tps[n]),
+               "median tok/s": round(statistics.median(tps[n]), 1),
+               "vs suffix": band([a / b for a, b in zip(tps[n], tps["suffix"])])}
+        for m in names[:-1]:
+            row[f"vs {m}"] = "-" if m == n else band([a / b for a, b in zip(tps[n], tps[m])])
+        rows.append(row)
+    payload = {"machine": machine_info(), "rounds": args.rounds, "lossless": lossless,
+               "jobs": repo_relative(str(args.jobs.resolve())),
+               "drafters": {n: repo_relative(jobs[n]["speculative_config"]["model"])
+                            for n in names if n != "suffix"},
+               "prompts": len(chain_job["prompts"]), "max_tokens": chain_job["max_tokens"],
+               "dtype": chain_job["dtype"], "tokens_per_s": tps, "rows": rows}
+    table = fmt_table(rows) + f"\n\nLossless (every output equal to suffix decoding's): {lossless}"
+    write_result(args.name, payload, table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
