@@ -13,7 +13,8 @@ median [min-max] over rounds.
 ``--jobs`` is the ``engine_runs`` directory of an earlier ``evaluate.py engine=vllm`` run with
 ``chain`` and ``suffix`` among its methods: its ``chain_c1.job.json`` and ``suffix_c1.job.json``
 give the target, prompts, dtype, token budget and engine settings, so the contestants are
-served exactly as that evaluation served them. Every contestant's tokens must equal suffix
+served exactly as that evaluation served them; ``--engine-arg NAME:KEY=JSON`` gives one
+contestant one more engine argument (the same drafter twice, with and without it). Every contestant's tokens must equal suffix
 decoding's (both lossless against the target's greedy output). Engine runs already written
 under ``outputs/bench/<name>/`` are read back. Writes ``bench/results/<name>.{json,md}``.
 """
@@ -59,6 +60,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", required=True, type=Path, help="engine_runs/ of an evaluation")
     ap.add_argument("--drafter", action="append", required=True, metavar="NAME=DIR")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME:KEY=JSON",
+                    help="one more vllm.LLM argument for contestant NAME only, e.g. "
+                         "shipped_sync:async_scheduling=false")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--name", default="engine_drafters_tiny")
     ap.add_argument("--timeout-s", type=float, default=1800)
@@ -72,6 +76,12 @@ def main() -> None:
         job["speculative_config"]["model"] = str(Path(path).resolve())
         jobs[name] = job
     jobs["suffix"] = suffix_job
+    for spec in args.engine_arg:
+        name, kv = spec.split(":", 1)
+        key, value = kv.split("=", 1)
+        if name not in jobs:
+            raise SystemExit(f"--engine-arg {spec}: no contestant named {name} ({', '.join(jobs)})")
+        jobs[name]["llm_kwargs"][key] = json.loads(value)
     names = list(jobs)
     work = REPO / "outputs" / "bench" / args.name
     rounds: list[dict[str, dict]] = []
@@ -96,6 +106,7 @@ def main() -> None:
                "jobs": repo_relative(str(args.jobs.resolve())),
                "drafters": {n: repo_relative(jobs[n]["speculative_config"]["model"])
                             for n in names if n != "suffix"},
+               "engine_args": args.engine_arg,
                "prompts": len(chain_job["prompts"]), "max_tokens": chain_job["max_tokens"],
                "dtype": chain_job["dtype"], "tokens_per_s": tps, "rows": rows}
     table = fmt_table(rows) + f"\n\nLossless (every output equal to suffix decoding's): {lossless}"
