@@ -28,23 +28,14 @@ from pathlib import Path
 
 from common import REPO, fmt_table, machine_info, write_result
 
-from dflash_lit.eval.vllm_engine import run_worker
+from dflash_lit.eval.vllm_engine import paired_ratio, run_worker, summarize_engine
 from dflash_lit.paths import repo_relative
 
 
-def tokens_per_s(res: dict) -> float:
-    return sum(len(r["tokens"]) for r in res["requests"]) / res["wall_time_s"]
-
-
-def tau(res: dict) -> float:
-    """Tokens per engine step, the first (prefill) token of every request left out."""
-    reqs = res["requests"]
-    return (sum(len(r["tokens"]) for r in reqs) - len(reqs)) / (
-        sum(len(r["steps"]) for r in reqs) - len(reqs))
-
-
-def band(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f}x [{min(xs):.2f}-{max(xs):.2f}]"
+def band(a: list[float], b: list[float]) -> str:
+    """``a`` over ``b`` (tokens/s per round): the median [min-max] of the within-round ratios."""
+    r = paired_ratio({"tokens_per_s_rounds": a}, {"tokens_per_s_rounds": b})
+    return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
 
 
 def served(job: dict, work: Path, name: str, timeout_s: float) -> dict:
@@ -91,16 +82,16 @@ def main() -> None:
     ref = [r["tokens"] for r in rounds[0]["suffix"]["requests"]]
     lossless = all([r["tokens"] for r in rd[n]["requests"]] == ref
                    for rd in rounds for n in names)
-    tps = {n: [tokens_per_s(rd[n]) for rd in rounds] for n in names}
+    tps = {n: [summarize_engine(rd[n])["tokens_per_s"] for rd in rounds] for n in names}
     rows = []
     for n in names:
         row = {"method": n if n == "suffix" else f"dflash `{n}`",
-               "tau": round(tau(rounds[0][n]), 3),
+               "tau": round(summarize_engine(rounds[0][n])["tau"], 3),
                "tok/s per round": " / ".join(f"{x:.0f}" for x in tps[n]),
                "median tok/s": round(statistics.median(tps[n]), 1),
-               "vs suffix": band([a / b for a, b in zip(tps[n], tps["suffix"])])}
+               "vs suffix": band(tps[n], tps["suffix"])}
         for m in names[:-1]:
-            row[f"vs {m}"] = "-" if m == n else band([a / b for a, b in zip(tps[n], tps[m])])
+            row[f"vs {m}"] = "-" if m == n else band(tps[n], tps[m])
         rows.append(row)
     payload = {"machine": machine_info(), "rounds": args.rounds, "lossless": lossless,
                "jobs": repo_relative(str(args.jobs.resolve())),
