@@ -73,6 +73,18 @@ def test_write_and_load_roundtrip(shard_dir: Path) -> None:
     assert batch[2]["input_ids"].tolist() == rows[60]["input_ids"]
 
 
+def test_glob_selects_a_subset_of_shards(shard_dir: Path) -> None:
+    """A glob over shard files loads just those shards, in name order; one matching nothing is
+    a one-line error naming the key."""
+    ds, _ = load_shards(shard_dir / "data" / "shard-0000[02].parquet", min_completion_tokens=1,
+                        cache_dir=str(shard_dir / "c"))
+    rows = _rows(120)
+    assert ds.ids == [r["id"] for r in rows[:50] + rows[100:]]
+    assert ds[50]["input_ids"].tolist() == rows[100]["input_ids"]
+    with pytest.raises(ShardError, match=r"data\.path: the pattern '.*shard-9\*' matches no"):
+        load_shards(shard_dir / "data" / "shard-9*")
+
+
 def test_arrow_files_and_save_to_disk(tmp_path: Path) -> None:
     import datasets
 

@@ -10,6 +10,7 @@ the file and row id. Rows are never rewritten: truncation is applied lazily when
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -121,7 +122,17 @@ def write_shards(
 
 # --------------------------------------------------------------------------- finding / opening
 def find_shards(path: str | os.PathLike, what: str = "data.path") -> list[Path]:
-    """Shard files under ``path`` in load order (a save_to_disk dir lists its own files)."""
+    """Shard files under ``path`` in load order (a save_to_disk dir lists its own files).
+
+    ``path`` may also be a glob over shard files (``train/shard-*[036].parquet``): a subset of
+    a dataset's shards, named in the config and hence reproducible.
+    """
+    if any(c in str(path) for c in "*?["):
+        found = sorted(Path(f) for f in glob.glob(str(path))
+                       if Path(f).is_file() and Path(f).suffix in (".parquet", ".arrow"))
+        if not found:
+            raise ShardError(f"{what}: the pattern '{path}' matches no .parquet or .arrow file")
+        return found
     p = Path(path)
     if not p.exists():
         raise ShardError(f"{what}: '{p}' does not exist; point it at a directory of shards")

@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from dflash_lit.data.shards import ShardError, find_shards
 from dflash_lit.errors import UserError
 
 META_KEY = b"dflash_lit.regenerate"  # parquet schema metadata of regenerated shards
@@ -45,8 +46,10 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, where: str, fix: str) 
 def regenerated_with(path: str | Path) -> tuple[Path, str] | None:
     """(shard file, tokenizer fingerprint) recorded by regenerate.py in the first parquet shard
     under ``path``; None for data without that record (hand-made or older shards)."""
-    p = Path(path)
-    files = sorted(p.glob("*.parquet")) if p.is_dir() else [p] if p.suffix == ".parquet" else []
+    try:
+        files = [f for f in find_shards(path) if f.suffix == ".parquet"]
+    except ShardError:
+        return None
     for f in files[:1]:
         meta = (pq.read_schema(f).metadata or {}).get(META_KEY)
         tok = json.loads(meta).get("tokenizer") if meta else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ def run_facts(ckpt: str | Path) -> dict[str, Any]:
     if overrides.is_file():
         args = [a for a in (yaml.safe_load(overrides.read_text()) or [])
                 if not str(a).startswith("hydra.")]
-        facts["command"] = "python train.py " + " ".join(str(a) for a in args)
+        facts["command"] = "python train.py " + shlex.join(str(a) for a in args)  # paste-able
     resolved = run / "config_resolved.yaml"
     if resolved.is_file():
         cfg = yaml.safe_load(resolved.read_text()) or {}
