@@ -19,7 +19,7 @@
 
 An evaluation whose ``report.json`` already holds the requested methods is read back, not
 rerun. Slow (~1 h of feature cache and training on 2 cores, plus 20-45 min of evaluation):
-results go to ``bench/results/smollm2_drafter.{json,md}``; copy the table into docs/BENCHMARKS.md.
+results go to ``bench/results/<--name>.{json,md}``; copy the table into docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="*", default=["chain", "tree", "ngram", "baseline"],
                     choices=["chain", "tree", "ngram", "baseline"])
     ap.add_argument("--ship", action="store_true", help=f"evaluate in vLLM and write the export + card to {SHIP.relative_to(REPO)}")
+    ap.add_argument("--name", default="smollm2_drafter", help="results file bench/results/<name>.{json,md}")
     ap.add_argument("--data-limit", type=int, default=1536, help="train prompts if data is regenerated")
     args = ap.parse_args()
 
@@ -128,7 +129,7 @@ def main() -> None:
                  + (f" in {wall / 60:.1f} min" if wall else "")
                  + f"; val acc {record['val_acc']}, streak {record['val_streak']}, per-slot acc "
                  f"{record['val_acc_per_slot']}")
-    write_result("smollm2_drafter", summary, "\n\n".join(parts))
+    write_result(args.name, summary, "\n\n".join(parts))
 
 
 def in_process(export: Path, out: Path, args: argparse.Namespace) -> tuple[dict, str]:

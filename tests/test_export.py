@@ -314,3 +314,26 @@ def test_a_mask_token_that_is_a_stop_token_is_one_warning_line(tmp_path, caplog)
     with caplog.at_level(logging.WARNING):
         export_zlab(ckpt, tmp_path / "out2", stop_ids=[0])  # the target says otherwise
     assert not any("stop token" in r.getMessage() for r in caplog.records)
+
+
+def test_serve_commands_for_a_target_built_into_the_cache_work_with_the_variable_unset(
+        tmp_path, monkeypatch) -> None:
+    """A target under $DFLASH_CACHE (built, not in git) is named as such in the card, and the
+    serve command falls back to the default cache when the variable is unset."""
+    import subprocess
+
+    from dflash_lit.eval.loading import DrafterInfo
+    from dflash_lit.export.zlab import serve_readme
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("DFLASH_CACHE", raising=False)
+    built = tmp_path / ".cache" / "dflash-lit" / "smollm2"
+    info = DrafterInfo(source="ckpt", path=str(tmp_path / "last.ckpt"),
+                       target={"path": str(built), "num_layers": L, "vocab_size": V})
+    text = serve_readme(DFlashDrafter(cfg()), ROOT / "artifacts" / "x", info)
+    line = next(x for x in text.splitlines() if x.startswith("vllm serve "))
+    assert line.startswith('vllm serve "${DFLASH_CACHE:-$HOME/.cache/dflash-lit}/smollm2" ')
+    quoted = line.removeprefix("vllm serve ").split(" --")[0]
+    out = subprocess.run(["bash", "-c", f"echo {quoted}"], capture_output=True, text=True,
+                         env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == str(built)

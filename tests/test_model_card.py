@@ -68,3 +68,14 @@ def test_card_report_must_be_an_engine_report(tmp_path):
     with pytest.raises(UserError, match="not an engine report"):
         load_report(p)
     assert load_report(None) is None
+
+
+def test_training_command_is_quoted_for_the_shell(tmp_path):
+    """An override with shell metacharacters (a glob over shards) is pasted back as one word."""
+    import shlex
+
+    run = _run_dir(tmp_path)
+    (run / ".hydra" / "overrides.yaml").write_text(
+        "- experiment=v6_muon\n- 'data.path=\"artifacts/x/shard-*[036].parquet\"'\n")
+    cmd = run_facts(run / "checkpoints" / "last.ckpt")["command"]
+    assert shlex.split(cmd)[2:] == ["experiment=v6_muon", 'data.path="artifacts/x/shard-*[036].parquet"']

