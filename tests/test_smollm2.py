@@ -148,3 +148,30 @@ def test_tools_accept_the_target_config_name(tmp_path, monkeypatch):
     assert named_target_path("tiny") == str(REPO / "artifacts" / "tiny" / "target")
     assert named_target_path("random_qwen3") is None  # a random build has no directory
     assert named_target_path("Qwen/Qwen3-8B") is None and named_target_path(str(tmp_path)) is None
+
+
+@needs_wheel
+def test_shipped_drafter_accepts_tokens_losslessly(target_dir, tmp_path):
+    """artifacts/smollm2/drafter (z-lab layout, bf16, <= 20 MB, with its card) drafts tokens the
+    target accepts on a HumanEval prompt it never trained on, and changes no output token."""
+    from safetensors import safe_open
+
+    from dflash_lit.eval.cli import evaluate
+
+    ship = REPO / "artifacts" / "smollm2" / "drafter"
+    weights = ship / "model.safetensors"
+    assert weights.stat().st_size <= 20 * 2**20
+    with safe_open(str(weights), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    card = (ship / "README.md").read_text()
+    assert "Lossless (every output equal to vLLM's plain greedy output): yes." in card
+    assert "python evaluate.py engine=vllm ckpt=artifacts/smollm2/drafter" in card
+    with initialize_config_dir(config_dir=str(REPO / "conf" / "tools"), version_base="1.3"):
+        ecfg = compose("evaluate", overrides=[
+            f"ckpt={ship}", "target=smollm2", "prompts=humaneval", "limit=1",
+            "max_new_tokens=32", "methods=[chain]", "progress=false", "warmup=false",
+            "plot=false", "dtype=float32", "device=cpu", f"out={tmp_path / 'eval'}"])
+    assert evaluate(ecfg, tmp_path / "eval") == 0
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["lossless"]
+    assert report["tau_chain"] > 1.2  # an untrained drafter accepts ~nothing (tau ~1.0)
