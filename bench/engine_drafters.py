@@ -82,11 +82,12 @@ def main() -> None:
     ref = [r["tokens"] for r in rounds[0]["suffix"]["requests"]]
     lossless = all([r["tokens"] for r in rd[n]["requests"]] == ref
                    for rd in rounds for n in names)
-    tps = {n: [summarize_engine(rd[n])["tokens_per_s"] for rd in rounds] for n in names}
+    summaries = {n: [summarize_engine(rd[n]) for rd in rounds] for n in names}
+    tps = {n: [x["tokens_per_s"] for x in summaries[n]] for n in names}
     rows = []
     for n in names:
         row = {"method": n if n == "suffix" else f"dflash `{n}`",
-               "tau": round(summarize_engine(rounds[0][n])["tau"], 3),
+               "tau": round(summaries[n][0]["tau"], 3),
                "tok/s per round": " / ".join(f"{x:.0f}" for x in tps[n]),
                "median tok/s": round(statistics.median(tps[n]), 1),
                "vs suffix": band(tps[n], tps["suffix"])}

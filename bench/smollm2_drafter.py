@@ -132,6 +132,13 @@ def main() -> None:
     write_result(args.name, summary, "\n\n".join(parts))
 
 
+def method_rows(rep: dict, methods: tuple[str, ...]) -> list[dict]:
+    """τ, tokens/s and speed-up of ``methods`` (those the report has) from an evaluate.py report."""
+    m = rep["methods"]
+    return [{"method": k, "tau": m[k].get("tau"), "tokens_per_s": m[k].get("tokens_per_s"),
+             "speedup": m[k].get("speedup")} for k in methods if k in m]
+
+
 def in_process(export: Path, out: Path, args: argparse.Namespace) -> tuple[dict, str]:
     """The in-process evaluation on HumanEval (read back when its report has the methods)."""
     done = out / "report.json"
@@ -140,10 +147,7 @@ def in_process(export: Path, out: Path, args: argparse.Namespace) -> tuple[dict,
              f"limit={args.limit}", f"max_new_tokens={args.max_new_tokens}", "budgets=[16]",
              f"methods=[{','.join(args.methods)}]", "progress=false", f"out={out}"])
     rep = json.loads(done.read_text())
-    m = rep["methods"]
-    rows = [{"method": k, "tau": m[k].get("tau"), "tokens_per_s": m[k].get("tokens_per_s"),
-             "speedup": m[k].get("speedup")} for k in ("chain", "tree_b16", "ngram", "baseline")
-            if k in m]
+    rows = method_rows(rep, ("chain", "tree_b16", "ngram", "baseline"))
     res = {"lossless": rep["lossless"], "tau_chain": rep.get("tau_chain"),
            "tau_tree_b16": (rep.get("tau_tree") or {}).get("16"), "tau_ngram": rep.get("tau_ngram"),
            "methods": rows}
@@ -163,9 +167,7 @@ def ship(run_dir: Path, export: Path, args: argparse.Namespace) -> tuple[dict, s
     run([sys.executable, "export.py", f"ckpt={run_dir / 'checkpoints' / 'last.ckpt'}", f"out={SHIP}",
          "dtype=bfloat16", "target=smollm2", f"card_report={out / 'report.json'}"])
     rep = json.loads((out / "report.json").read_text())
-    m = rep["methods"]
-    rows = [{"method": k, "tau": m[k].get("tau"), "tokens_per_s": m[k].get("tokens_per_s"),
-             "speedup": m[k].get("speedup")} for k in ("baseline", "chain", "ngram", "suffix") if k in m]
+    rows = method_rows(rep, ("baseline", "chain", "ngram", "suffix"))
     return ({"lossless": rep["lossless"], "methods": rows, "vllm": rep["engine"]["version"]},
             fmt_table(rows) + f"\n\nvLLM {rep['engine']['version']}: HumanEval first {args.limit} "
             f"prompts x {args.max_new_tokens} tokens, float32, greedy, lossless={rep['lossless']}")
