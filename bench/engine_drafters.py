@@ -13,9 +13,12 @@ median [min-max] over rounds.
 ``--jobs`` is the ``engine_runs`` directory of an earlier ``evaluate.py engine=vllm`` run with
 ``chain`` and ``suffix`` among its methods: its ``chain_c1.job.json`` and ``suffix_c1.job.json``
 give the target, prompts, dtype, token budget and engine settings, so the contestants are
-served exactly as that evaluation served them; ``--engine-arg NAME:KEY=JSON`` gives one
-contestant one more engine argument (the same drafter twice, with and without it). Every contestant's tokens must equal suffix
-decoding's (both lossless against the target's greedy output). Engine runs already written
+served exactly as that evaluation served them. ``--engine-arg NAME:KEY=JSON`` gives one
+contestant one more engine argument and ``--engine-env NAME:VAR=VALUE`` one more environment
+variable (the same drafter twice, with and without it); ``--drafter NAME=suffix`` adds one more
+suffix-decoding contestant, so a setting can be tried on both methods in the same rounds.
+Every contestant's tokens must equal suffix decoding's (both lossless against the target's
+greedy output). Engine runs already written
 under ``outputs/bench/<name>/`` are read back. Writes ``bench/results/<name>.{json,md}``.
 """
 
@@ -38,13 +41,28 @@ def band(a: list[float], b: list[float]) -> str:
     return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
 
 
-def served(job: dict, work: Path, name: str, timeout_s: float) -> dict:
+def served(job: dict, work: Path, name: str, timeout_s: float, env: dict[str, str]) -> dict:
     """One contestant's engine run (read back when ``work/<name>.result.json`` exists, so a
     killed comparison resumes at the run it lost)."""
     done = work / f"{name}.result.json"
     if done.is_file():
         return json.loads(done.read_text())
-    return run_worker(job, work, name, timeout_s, True)
+    return run_worker(job, work, name, timeout_s, True, env)
+
+
+def assignments(specs: list[str], names: list[str], flag: str) -> dict[str, dict[str, str]]:
+    """``["a:KEY=VALUE", ...]`` -> {"a": {"KEY": "VALUE"}}; one line naming the flag on a
+    malformed item or an unknown contestant."""
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        name, _, kv = spec.partition(":")
+        key, eq, value = kv.partition("=")
+        if not (key and eq):
+            raise SystemExit(f"{flag} {spec}: expected NAME:KEY=VALUE")
+        if name not in names:
+            raise SystemExit(f"{flag} {spec}: no contestant named {name} ({', '.join(names)})")
+        out.setdefault(name, {})[key] = value
+    return out
 
 
 def main() -> None:
@@ -54,6 +72,9 @@ def main() -> None:
     ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME:KEY=JSON",
                     help="one more vllm.LLM argument for contestant NAME only, e.g. "
                          "shipped_sync:async_scheduling=false")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="NAME:VAR=VALUE",
+                    help="one more environment variable for contestant NAME's engine, e.g. "
+                         "shipped_iomp:LD_PRELOAD=/path/to/libiomp5.so")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--name", default="engine_drafters_tiny")
     ap.add_argument("--timeout-s", type=float, default=1800)
@@ -63,22 +84,21 @@ def main() -> None:
     jobs = {}
     for spec in args.drafter:
         name, path = spec.split("=", 1)
-        job = json.loads(json.dumps(chain_job))
-        job["speculative_config"]["model"] = str(Path(path).resolve())
+        job = json.loads(json.dumps(suffix_job if path == "suffix" else chain_job))
+        if path != "suffix":
+            job["speculative_config"]["model"] = str(Path(path).resolve())
         jobs[name] = job
     jobs["suffix"] = suffix_job
-    for spec in args.engine_arg:
-        name, kv = spec.split(":", 1)
-        key, value = kv.split("=", 1)
-        if name not in jobs:
-            raise SystemExit(f"--engine-arg {spec}: no contestant named {name} ({', '.join(jobs)})")
-        jobs[name]["llm_kwargs"][key] = json.loads(value)
     names = list(jobs)
+    for name, kv in assignments(args.engine_arg, names, "--engine-arg").items():
+        jobs[name]["llm_kwargs"].update({k: json.loads(v) for k, v in kv.items()})
+    envs = assignments(args.engine_env, names, "--engine-env")
     work = REPO / "outputs" / "bench" / args.name
     rounds: list[dict[str, dict]] = []
     for k in range(args.rounds):
         order = names[k % len(names):] + names[:k % len(names)]
-        rounds.append({n: served(jobs[n], work, f"{n}_r{k}", args.timeout_s) for n in order})
+        rounds.append({n: served(jobs[n], work, f"{n}_r{k}", args.timeout_s, envs.get(n, {}))
+                       for n in order})
     ref = [r["tokens"] for r in rounds[0]["suffix"]["requests"]]
     lossless = all([r["tokens"] for r in rd[n]["requests"]] == ref
                    for rd in rounds for n in names)
@@ -86,7 +106,9 @@ def main() -> None:
     tps = {n: [x["tokens_per_s"] for x in summaries[n]] for n in names}
     rows = []
     for n in names:
-        row = {"method": n if n == "suffix" else f"dflash `{n}`",
+        is_suffix = jobs[n]["speculative_config"]["method"] == "suffix"
+        row = {"method": f"suffix `{n}`" if is_suffix and n != "suffix" else
+               n if is_suffix else f"dflash `{n}`",
                "tau": round(summaries[n][0]["tau"], 3),
                "tok/s per round": " / ".join(f"{x:.0f}" for x in tps[n]),
                "median tok/s": round(statistics.median(tps[n]), 1),
@@ -97,8 +119,8 @@ def main() -> None:
     payload = {"machine": machine_info(), "rounds": args.rounds, "lossless": lossless,
                "jobs": repo_relative(str(args.jobs.resolve())),
                "drafters": {n: repo_relative(jobs[n]["speculative_config"]["model"])
-                            for n in names if n != "suffix"},
-               "engine_args": args.engine_arg,
+                            for n in names if "model" in jobs[n]["speculative_config"]},
+               "engine_args": args.engine_arg, "engine_env": args.engine_env,
                "prompts": len(chain_job["prompts"]), "max_tokens": chain_job["max_tokens"],
                "dtype": chain_job["dtype"], "tokens_per_s": tps, "rows": rows}
     table = fmt_table(rows) + f"\n\nLossless (every output equal to suffix decoding's): {lossless}"

@@ -80,8 +80,11 @@ def test_an_engine_that_dies_or_hangs_fails_the_evaluation_without_a_report(tmp_
            "max_tokens": 4, "concurrency": 1, "llm_kwargs": {}, "speculative_config": None}
     with pytest.raises(EngineError, match=r"vLLM \(chain_c1\) exited with code 1 after 0/2 "
                                           r"requests: .*no report written"):
-        run_worker(job, tmp_path / "w", "chain_c1", timeout_s=300, progress=False)
+        run_worker(job, tmp_path / "w", "chain_c1", timeout_s=300, progress=False,
+                   env={"LD_PRELOAD": str(tmp_path / "absent_lib.so")})
     assert not (tmp_path / "w" / "chain_c1.result.json").exists()
+    # the extra environment reached the worker: the loader names the library it could not preload
+    assert "absent_lib.so" in (tmp_path / "w" / "chain_c1.log").read_text()
     with pytest.raises(EngineError, match=r"ran past vllm.timeout_s=0.5; stopped it"):
         run_worker(job, tmp_path / "w", "slow_c1", timeout_s=0.5, progress=False)
 

@@ -105,8 +105,9 @@ def speculative_config(method: str, s: EvalSettings, drafter_dir: str | None,
 
 
 def run_worker(job: dict[str, Any], work: Path, name: str, timeout_s: float,
-               progress: bool) -> dict[str, Any]:
-    """Run one engine job in a worker process; its log goes to ``work/<name>.log``."""
+               progress: bool, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one engine job in a worker process; its log goes to ``work/<name>.log``. ``env``
+    adds variables to the worker's environment (e.g. an ``LD_PRELOAD`` tried on one run)."""
     work.mkdir(parents=True, exist_ok=True)
     job_path, out_path = work / f"{name}.job.json", work / f"{name}.result.json"
     prog_path = out_path.with_name(out_path.name + ".progress")
@@ -124,7 +125,7 @@ def run_worker(job: dict[str, Any], work: Path, name: str, timeout_s: float,
         proc = subprocess.Popen([sys.executable, "-m", "dflash_lit.eval.vllm_worker",
                                  str(job_path), str(out_path)], stdout=logf,
                                 stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
-                                env=engine_env())
+                                env={**engine_env(), **(env or {})})
         try:
             while proc.poll() is None:
                 if time.perf_counter() - t0 > timeout_s:
