@@ -41,6 +41,11 @@ def band(a: list[float], b: list[float]) -> str:
     return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
 
 
+def spread(xs: list[float]) -> str:
+    """The median [min-max] of per-round values."""
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
+
+
 def served(job: dict, work: Path, name: str, timeout_s: float, env: dict[str, str]) -> dict:
     """One contestant's engine run (read back when ``work/<name>.result.json`` exists, so a
     killed comparison resumes at the run it lost)."""
@@ -76,6 +81,8 @@ def main() -> None:
                     help="one more environment variable for contestant NAME's engine, e.g. "
                          "shipped_iomp:LD_PRELOAD=/path/to/libiomp5.so")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--goal", type=float, default=1.2,
+                    help="tokens/s over suffix decoding's that the 'tau for' column solves for")
     ap.add_argument("--name", default="engine_drafters_tiny")
     ap.add_argument("--timeout-s", type=float, default=1800)
     args = ap.parse_args()
@@ -104,6 +111,8 @@ def main() -> None:
                    for rd in rounds for n in names)
     summaries = {n: [summarize_engine(rd[n]) for rd in rounds] for n in names}
     tps = {n: [x["tokens_per_s"] for x in summaries[n]] for n in names}
+    step_ms = {n: [1e3 * x["wall_time_s"] / x["steps"] for x in summaries[n]] for n in names}
+    tau_suffix = summaries["suffix"][0]["tau"]
     rows = []
     for n in names:
         is_suffix = jobs[n]["speculative_config"]["method"] == "suffix"
@@ -112,7 +121,12 @@ def main() -> None:
                "tau": round(summaries[n][0]["tau"], 3),
                "tok/s per round": " / ".join(f"{x:.0f}" for x in tps[n]),
                "median tok/s": round(statistics.median(tps[n]), 1),
-               "vs suffix": band(tps[n], tps["suffix"])}
+               "vs suffix": band(tps[n], tps["suffix"]),
+               "ms/step": round(statistics.median(step_ms[n]), 2),
+               # the τ at which this contestant's step cost would give --goal x suffix decoding's
+               # tokens/s: goal x suffix's τ x (this step's time / suffix's), per round
+               f"tau for {args.goal:g}x suffix": "-" if is_suffix else spread(
+                   [args.goal * tau_suffix * a / b for a, b in zip(step_ms[n], step_ms["suffix"])])}
         for m in names[:-1]:
             row[f"vs {m}"] = "-" if m == n else band(tps[n], tps[m])
         rows.append(row)
@@ -122,8 +136,12 @@ def main() -> None:
                             for n in names if "model" in jobs[n]["speculative_config"]},
                "engine_args": args.engine_arg, "engine_env": args.engine_env,
                "prompts": len(chain_job["prompts"]), "max_tokens": chain_job["max_tokens"],
-               "dtype": chain_job["dtype"], "tokens_per_s": tps, "rows": rows}
-    table = fmt_table(rows) + f"\n\nLossless (every output equal to suffix decoding's): {lossless}"
+               "dtype": chain_job["dtype"], "tokens_per_s": tps, "step_ms": step_ms,
+               "rows": rows}
+    table = fmt_table(rows) + (
+        f"\n\nLossless (every output equal to suffix decoding's): {lossless}. ms/step: wall time "
+        "over verify steps (median over rounds); 'tau for': the τ a drafter with that step time "
+        f"needs for {args.goal:g}x suffix decoding's tokens/s, per round, median [min-max].")
     write_result(args.name, payload, table)
     print(table)
 

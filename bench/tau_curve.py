@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -79,13 +81,16 @@ def parse_goals(items: list[str]) -> dict[str, float]:
 
 
 def evaluate(ckpt: Path, out: Path, args) -> dict:
+    """evaluate.py's report for one checkpoint (read back when already written). With
+    ``--jobs`` > 1 each evaluation runs single-threaded, so that N of them share N cores."""
     if not (out / "report.json").is_file():
         cmd = [sys.executable, str(REPO / "evaluate.py"), f"ckpt={ckpt}",
                f"prompts={args.prompts}", f"limit={args.limit}",
                f"max_new_tokens={args.max_new_tokens}", f"methods={args.methods}",
                f"budgets=[{args.budget}]", "progress=false", "plot=false", f"out={out}",
                *args.eval_overrides]
-        subprocess.run(cmd, check=True, cwd=REPO)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.jobs > 1 else None
+        subprocess.run(cmd, check=True, cwd=REPO, env=env)
     return json.loads((out / "report.json").read_text())
 
 
@@ -106,16 +111,20 @@ def main() -> None:
     ap.add_argument("--horizon", type=float, default=1000.0,
                     help="search --goal crossings up to this multiple of the last step")
     ap.add_argument("--eval-overrides", nargs="*", default=[])
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="checkpoints evaluated at once, each single-threaded (the greedy "
+                         "reference of every evaluation is the slow, serial part)")
     args = ap.parse_args()
     goals = parse_goals(args.goal)
     name = args.name or args.run[0].name
     work = REPO / "outputs" / "bench" / f"tau_curve_{name}"
-    rows, seen = [], set()
+    rows, todo = [], {}
     for step, ckpt in [c for run in args.run for c in checkpoints(run, args.every)]:
-        if step in seen:  # a continuation's first checkpoint may repeat its parent's last
-            continue
-        seen.add(step)
-        rep = evaluate(ckpt, work / f"step{step}", args)
+        todo.setdefault(step, ckpt)  # a continuation's first checkpoint may repeat its parent's last
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        reports = list(pool.map(lambda sc: evaluate(sc[1], work / f"step{sc[0]}", args),
+                                todo.items()))
+    for (step, ckpt), rep in zip(todo.items(), reports):
         meta = safe_load(ckpt).get("dflash", {})
         row = {"step": step, "tokens": meta.get("tokens_seen"), "lossless": rep["lossless"]}
         row.update({k: v["tau"] for k, v in rep["methods"].items() if k != "baseline"})
