@@ -35,8 +35,14 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": portable(" ".join([Path(sys.argv[0]).name, *sys.argv[1:]])),
     }
+
+
+def portable(text: str) -> str:
+    """``text`` without this machine's paths: the repo root dropped, the Python prefix (where
+    libraries such as ``lib/libiomp5.so`` live) written as ``<python prefix>``."""
+    return text.replace(f"{REPO}{os.sep}", "").replace(sys.prefix, "<python prefix>")
 
 
 def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:

@@ -29,7 +29,7 @@ import json
 import statistics
 from pathlib import Path
 
-from common import REPO, fmt_table, machine_info, write_result
+from common import REPO, fmt_table, machine_info, portable, write_result
 
 from dflash_lit.eval.vllm_engine import paired_ratio, run_worker, summarize_engine
 from dflash_lit.paths import repo_relative
@@ -134,7 +134,8 @@ def main() -> None:
                "jobs": repo_relative(str(args.jobs.resolve())),
                "drafters": {n: repo_relative(jobs[n]["speculative_config"]["model"])
                             for n in names if "model" in jobs[n]["speculative_config"]},
-               "engine_args": args.engine_arg, "engine_env": args.engine_env,
+               "engine_args": args.engine_arg,
+               "engine_env": [portable(e) for e in args.engine_env],
                "prompts": len(chain_job["prompts"]), "max_tokens": chain_job["max_tokens"],
                "dtype": chain_job["dtype"], "tokens_per_s": tps, "step_ms": step_ms,
                "rows": rows}

@@ -10,6 +10,11 @@ kernels: read the shares, and tokens/s from the unprofiled pass printed beside t
 
     python bench/engine_step_cost.py                      # tiny target, shipped drafter
     python bench/engine_step_cost.py --limit 40 --max-new-tokens 128
+    python bench/engine_step_cost.py --methods plain dflash --breakdown 15
+
+``--breakdown N`` adds one more pass per speculative method that profiles only the draft
+proposal and lists the N functions inside it with the most cumulative time (share of the
+proposal's own time), to see which part of a proposal costs what.
 
 Writes ``bench/results/<name>.{json,md}``.
 """
@@ -59,6 +64,19 @@ def worker(args: argparse.Namespace) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     llm.generate(warm, sp, use_tqdm=False)
     prof = cProfile.Profile()
+    if args.breakdown_pass:  # profile the proposal alone (one profiler at a time in Python)
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        propose = GPUModelRunner.propose_draft_token_ids
+
+        def profiled(self, *a, **kw):
+            prof.enable()
+            try:
+                return propose(self, *a, **kw)
+            finally:
+                prof.disable()
+
+        GPUModelRunner.propose_draft_token_ids = profiled
     if args.profile:
         prof.enable()
     t0, tokens = time.perf_counter(), 0
@@ -74,16 +92,35 @@ def worker(args: argparse.Namespace) -> None:
                     if fn == func and f.endswith(suffix)]
             out[part] = {"calls": max((c for c, _ in hits), default=0),
                          "seconds": max((t for _, t in hits), default=0.0)}
+    if args.breakdown_pass:
+        out["breakdown"] = proposal_breakdown(pstats.Stats(prof).stats, args.breakdown_pass)
     Path(args.out).write_text(json.dumps(out))
 
 
-def run_method(method: str, profile: bool) -> dict:
+def proposal_breakdown(st: dict, top: int) -> list[dict]:
+    """The ``top`` functions by cumulative time in a profile of the draft proposal alone, as
+    shares of the proposal's time (nested functions overlap: shares do not add up)."""
+    total = max((v[3] for (f, _, fn), v in st.items() if fn == "propose_draft_token_ids"),
+                default=0.0)
+    rows = sorted(((v[3], v[1], f, line, fn) for (f, line, fn), v in st.items()
+                   if fn != "propose_draft_token_ids"), reverse=True)
+    import vllm
+
+    vllm_root = os.path.dirname(vllm.__file__) + os.sep
+    return [{"function": fn, "where": (f.removeprefix(vllm_root) if f.startswith(vllm_root)
+                                       else os.path.basename(f)) + f":{line}",
+             "calls": calls, "share": round(cum / total, 3) if total else None}
+            for cum, calls, f, line, fn in rows[:top]]
+
+
+def run_method(method: str, profile: bool, breakdown: int = 0) -> dict:
     """``worker`` in a fresh process (vLLM keeps global state; suffix decoding's cache starts
     empty)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, __file__, *sys.argv[1:], "--method", method,
-                        "--out", f.name, *(["--profile"] if profile else [])], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        "--out", f.name, *(["--profile"] if profile else []),
+                        *(["--breakdown-pass", str(breakdown)] if breakdown else [])],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return json.loads(Path(f.name).read_text())
 
 
@@ -100,12 +137,17 @@ def main() -> None:
     ap.add_argument("--method", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--breakdown", type=int, default=0,
+                    help="list the N costliest functions inside the draft proposal")
+    ap.add_argument("--breakdown-pass", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.method:
         return worker(args)
     res = {}
     for m in args.methods:  # an unprofiled pass for tokens/s, a profiled one for the shares
         res[m] = {**run_method(m, True), "unprofiled": run_method(m, False)}
+        if args.breakdown and m != "plain":
+            res[m]["breakdown"] = run_method(m, False, args.breakdown)["breakdown"]
     plain_step = res["plain"]["engine step"]["seconds"] / res["plain"]["engine step"]["calls"] \
         if "plain" in res else None
     rows = []
@@ -124,8 +166,13 @@ def main() -> None:
         f"\n\n{args.limit} prompts x {args.max_new_tokens} new tokens, greedy, float32, one "
         "request at a time, in-process engine, each pass in a fresh engine; shares of the profiled "
         "engine step time. Steps include each request's prefill step.")
+    for m, r in res.items():
+        if r.get("breakdown"):
+            table += (f"\n\nInside the `{m}` draft proposal (cumulative time, share of the "
+                      "proposal's; nested calls overlap):\n\n" + fmt_table(r["breakdown"]))
     recorded = {k: os.path.relpath(v, REPO) if k in ("target", "drafter", "prompts") else v
-                for k, v in vars(args).items() if k not in ("method", "out", "profile")}
+                for k, v in vars(args).items()
+                if k not in ("method", "out", "profile", "breakdown_pass")}
     write_result(args.name, {"args": recorded, "methods": res}, table)
 
 
