@@ -18,8 +18,8 @@ contestant one more engine argument and ``--engine-env NAME:VAR=VALUE`` one more
 variable (the same drafter twice, with and without it); ``--drafter NAME=suffix`` adds one more
 suffix-decoding contestant, so a setting can be tried on both methods in the same rounds.
 Every contestant's tokens must equal suffix decoding's (both lossless against the target's
-greedy output). Engine runs already written
-under ``outputs/bench/<name>/`` are read back. Writes ``bench/results/<name>.{json,md}``.
+greedy output). Engine runs already written under ``outputs/bench/<name>/`` are read back.
+Writes ``bench/results/<name>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -90,7 +90,10 @@ def main() -> None:
     suffix_job = json.loads((args.jobs / "suffix_c1.job.json").read_text())
     jobs = {}
     for spec in args.drafter:
-        name, path = spec.split("=", 1)
+        name, eq, path = spec.partition("=")
+        if not (name and eq and path) or name == "suffix":
+            raise SystemExit(f"--drafter {spec}: expected NAME=DIR (or NAME=suffix), NAME not "
+                             "'suffix'")
         job = json.loads(json.dumps(suffix_job if path == "suffix" else chain_job))
         if path != "suffix":
             job["speculative_config"]["model"] = str(Path(path).resolve())
