@@ -119,8 +119,7 @@ def main() -> None:
     rows = []
     for n in names:
         is_suffix = jobs[n]["speculative_config"]["method"] == "suffix"
-        row = {"method": f"suffix `{n}`" if is_suffix and n != "suffix" else
-               n if is_suffix else f"dflash `{n}`",
+        row = {"method": n if n == "suffix" else f"{'suffix' if is_suffix else 'dflash'} `{n}`",
                "tau": round(summaries[n][0]["tau"], 3),
                "tok/s per round": " / ".join(f"{x:.0f}" for x in tps[n]),
                "median tok/s": round(statistics.median(tps[n]), 1),
@@ -136,7 +135,7 @@ def main() -> None:
     payload = {"machine": machine_info(), "rounds": args.rounds, "lossless": lossless,
                "jobs": repo_relative(str(args.jobs.resolve())),
                "drafters": {n: repo_relative(jobs[n]["speculative_config"]["model"])
-                            for n in names if "model" in jobs[n]["speculative_config"]},
+                            for n in names if jobs[n]["speculative_config"]["method"] != "suffix"},
                "engine_args": args.engine_arg,
                "engine_env": [portable(e) for e in args.engine_env],
                "prompts": len(chain_job["prompts"]), "max_tokens": chain_job["max_tokens"],
